@@ -1,0 +1,1 @@
+"""The H-Spec drafter (importable as ``vllm_hybridspec.drafter``), usable without vLLM."""

@@ -1,0 +1,172 @@
+"""Pure-torch references for the gated delta rule as the Qwen GDN layer computes it.
+
+Conventions (shared by the Triton kernels in ``verify.py`` and ``commit.py``):
+
+* ``HK`` key heads, ``HV = G * HK`` value heads; value head ``h`` reads key head ``h // G``.
+* ``q, k``: ``[u, HK, K]``; ``v``: ``[u, HV, V]``; ``g`` (per-token log decay, <= 0) and
+  ``beta`` (writing strength in (0, 1)): ``[u, HV]``.
+* The recurrent state is stored as vLLM stores it: ``[HV, V, K]``, fp32.
+* ``q`` and ``k`` are L2-normalised as vLLM's kernels do (``x * rsqrt(sum(x^2) + 1e-6)``);
+  the query is then multiplied by ``scale`` (``K ** -0.5`` by default).
+
+Recurrence (HybridSpec paper, "Gated DeltaNet and chunkwise verification", Eq. 1), per head:
+
+    z_i = beta_i * (v_i - alpha_i * S_{i-1} k_i),   S_i = alpha_i * S_{i-1} + z_i k_i^T,
+    o_i = S_i (scale * q_i),                        alpha_i = exp(g_i).
+
+With the cumulative log decay ``G_i = sum_{j<=i} g_j`` the state after token ``i`` is
+(Eq. 2)  ``S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i - G_j} z_j k_j^T``, so the *compact factors*
+``(z_i, k_i, G_i)`` and ``S_0`` rebuild any ``S_m``.  All ``z`` solve one unit lower-triangular
+system (Eq. 3): ``H Z = diag(beta) (V - diag(e^G) K S_0^T)`` with
+``H_ij = beta_i e^{G_i - G_j} k_i^T k_j`` for ``j < i``; the outputs are (Eq. 10)
+``O = diag(e^G) Q S_0^T + (Gamma * Q K^T) Z`` with ``Gamma_ij = e^{G_i - G_j}`` for ``j <= i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, as vLLM's GDN kernels normalise q and k."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_gating(
+    A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor,
+    softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next / Qwen3.5 gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
+
+    Args:
+        A_log: ``[HV]``; dt_bias: ``[HV]``; a, b: ``[..., HV]`` (any float dtype).
+    Returns:
+        ``(g, beta)``, both ``[..., HV]`` fp32 (fp64 if the inputs are fp64).
+    """
+    dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    x = a.to(dtype) + dt_bias.to(dtype)
+    sp = F.softplus(x, beta=softplus_beta, threshold=softplus_threshold)
+    g = -torch.exp(A_log.to(dtype)) * sp
+    beta = torch.sigmoid(b.to(dtype))
+    return g, beta
+
+
+def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
+    u, HK, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    if HV % HK != 0:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    dtype = torch.float64 if initial_state.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if scale is None:
+        scale = K ** -0.5
+    group = HV // HK
+    # [u, HV, K]: every value head sees its key head
+    q = q.repeat_interleave(group, dim=1) * scale
+    k = k.repeat_interleave(group, dim=1)
+    return q, k, v, g, beta, initial_state.to(dtype), dtype
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence (Eq. 1): what a verifier with one state per token computes.
+
+    Args:
+        q, k: ``[u, HK, K]``; v: ``[u, HV, V]``; g, beta: ``[u, HV]``;
+        initial_state: ``[HV, V, K]`` (fp32, or fp64 for a high-precision reference).
+    Returns:
+        ``(o, states)``: ``o`` ``[u, HV, V]`` and ``states`` ``[u, HV, V, K]`` (state after each
+        token), in the state's precision.
+    """
+    q, k, v, g, beta, S, dtype = _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
+    outs, states = [], []
+    for i in range(k.shape[0]):
+        S = S * torch.exp(g[i])[:, None, None]  # [HV, V, K]
+        z = beta[i][:, None] * (v[i] - torch.einsum("hvk,hk->hv", S, k[i]))  # [HV, V]
+        S = S + z[:, :, None] * k[i][:, None, :]
+        outs.append(torch.einsum("hvk,hk->hv", S, q[i]))
+        states.append(S)
+    return torch.stack(outs), torch.stack(states)
+
+
+@dataclass
+class CompactFactors:
+    """What verification keeps of a round instead of per-token states (Eq. 2).
+
+    z: ``[u, HV, V]``; k: ``[u, HK, K]`` (L2-normalised keys); g_cum: ``[u, HV]`` (cumulative
+    log decay ``G_i``).  All in the computation's precision (fp32 or fp64).
+    """
+
+    z: torch.Tensor
+    k: torch.Tensor
+    g_cum: torch.Tensor
+
+
+def chunk_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, scale: float | None = None, use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, CompactFactors]:
+    """Verify ``u`` tokens of one sequence in parallel from ``S_0`` (Eqs. 3 and 10).
+
+    Same arguments as :func:`recurrent_gated_delta_rule`.  No intermediate state is formed.
+
+    Returns:
+        ``(o, factors)``: ``o`` ``[u, HV, V]`` and the :class:`CompactFactors` of all ``u`` tokens.
+    """
+    HK = k.shape[1]
+    q, k_full, v, g, beta, S0, dtype = _prepare(q, k, v, g, beta, initial_state, scale,
+                                                use_qk_l2norm)
+    u = k_full.shape[0]
+    G = torch.cumsum(g, dim=0).transpose(0, 1)  # [HV, u]
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k_full, v))  # [HV, u, *]
+    bh = beta.transpose(0, 1)  # [HV, u]
+    diff = G[:, :, None] - G[:, None, :]  # [HV, u(i), u(j)] = G_i - G_j
+    causal = torch.ones(u, u, dtype=torch.bool, device=k.device).tril()
+    # mask before exp: for j > i the difference is positive and could overflow
+    gamma = torch.where(causal, torch.exp(torch.where(causal, diff, torch.zeros_like(diff))),
+                        torch.zeros_like(diff))
+    strict = torch.ones(u, u, dtype=torch.bool, device=k.device).tril(-1)
+    H = torch.eye(u, dtype=dtype, device=k.device) + torch.where(
+        strict, bh[:, :, None] * gamma * (kh @ kh.transpose(1, 2)), torch.zeros_like(gamma))
+    rhs = bh[:, :, None] * (vh - torch.exp(G)[:, :, None] * (kh @ S0.transpose(1, 2)))
+    Z = torch.linalg.solve_triangular(H, rhs, upper=False, unitriangular=True)  # [HV, u, V]
+    O = torch.exp(G)[:, :, None] * (qh @ S0.transpose(1, 2)) + (gamma * (qh @ kh.transpose(1, 2))) @ Z
+    group = q.shape[1] // HK
+    factors = CompactFactors(
+        z=Z.transpose(0, 1).contiguous(),
+        k=k_full[:, ::group].contiguous(),
+        g_cum=G.transpose(0, 1).contiguous(),
+    )
+    return O.transpose(0, 1).contiguous(), factors
+
+
+def reconstruct_state(initial_state: torch.Tensor, factors: CompactFactors, m: int) -> torch.Tensor:
+    """``S_m`` from ``S_0`` and the factors of tokens ``1..m`` (Eq. 7); ``m = 0`` returns ``S_0``.
+
+    Args:
+        initial_state: ``[HV, V, K]``; factors: from :func:`chunk_verify`; m: ``0 <= m <= u``.
+    Returns:
+        ``[HV, V, K]`` in the factors' precision.
+    """
+    u = factors.z.shape[0]
+    if not 0 <= m <= u:
+        raise ValueError(f"m must be in 0..{u} (the verified length), got {m}")
+    dtype = factors.z.dtype
+    S0 = initial_state.to(dtype)
+    if m == 0:
+        return S0.clone()
+    HV, HK = factors.z.shape[1], factors.k.shape[1]
+    G = factors.g_cum[:m]  # [m, HV]
+    w = torch.exp(G[m - 1][None, :] - G)  # [m, HV]
+    k = factors.k[:m].repeat_interleave(HV // HK, dim=1)  # [m, HV, K]
+    return torch.exp(G[m - 1])[:, None, None] * S0 + torch.einsum(
+        "jhv,jhk->hvk", factors.z[:m] * w[:, :, None], k)

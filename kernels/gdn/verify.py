@@ -1,0 +1,238 @@
+"""Block-parallel GDN verification: all tokens of a round from ``S_0``, no per-token state.
+
+HybridSpec paper, "Parallel GDN verification and accepted-state reconstruction" and the appendix
+paragraph "Triangular solve for short inputs".  The torch reference is
+:func:`vllm_hybridspec.kernels.gdn.naive.chunk_verify`; the conventions are in ``naive.py``.
+
+One program handles one (sequence, value head, block of ``BV`` value rows).  It reads its slice of
+``S_0`` once, solves the ``u x u`` unit lower-triangular system of Eq. 3 with the exact identity
+``H^{-1} = (I + X + X^2 + X^3)(I + X^4 + X^8 + X^12)`` (``X = I - H`` is nilpotent for ``u <= 16``),
+and writes the outputs and the compact factors ``(z, k, G)``.  The maximal round length ``U`` is a
+compile-time constant, so every length 2..16 gets its own specialisation and short rounds skip the
+powers of ``X`` they do not need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_VERIFY_LEN = 16
+
+
+@triton.jit
+def _inverse_unit_lower(X, I, U: tl.constexpr, PREC: tl.constexpr):
+    """``(I - X)^{-1}`` for strictly lower-triangular ``X`` of size ``BU``, nonzero in ``U`` rows."""
+    inv = I + X
+    if U > 2:
+        X2 = tl.dot(X, X, input_precision=PREC)
+        inv += X2
+        if U > 3:
+            inv += tl.dot(X2, X, input_precision=PREC)
+            if U > 4:
+                X4 = tl.dot(X2, X2, input_precision=PREC)
+                tail = I + X4
+                if U > 8:
+                    X8 = tl.dot(X4, X4, input_precision=PREC)
+                    tail += X8
+                    if U > 12:
+                        tail += tl.dot(X8, X4, input_precision=PREC)
+                inv = tl.dot(inv, tail, input_precision=PREC)
+    return inv
+
+
+@triton.jit
+def gdn_verify_kernel(
+    q, k, v,  # [T, HK, K], [T, HK, K], [T, HV, V]
+    g_or_a, beta_or_b,  # [T, HV]: (g, beta), or the raw gate inputs (a, b) when FUSED_GATING
+    A_log, dt_bias,  # [HV], only read when FUSED_GATING
+    state, state_indices,  # pool [slots, HV, V, K]; [N] slot per sequence (<= 0: skipped)
+    cu_seqlens,  # [N + 1]
+    o, z_out, k_out, g_out,  # [T, HV, V]; [T, HV, V] fp32; [T, HK, K] fp32; [T, HV] fp32
+    scale,
+    stride_state_slot,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    if (length <= 0) | (slot <= 0):
+        return
+
+    o_t = tl.arange(0, BU)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < length
+    m_v = o_v < V
+    tok = bos + o_t
+
+    # [BU, K] fp32
+    b_k = tl.load(k + (tok[:, None] * HK + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
+                  ).to(tl.float32)
+    b_q = tl.load(q + (tok[:, None] * HK + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
+                  ).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
+    b_q = b_q * scale
+    # [BU, BV]
+    b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
+                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+    # [BU]; padded rows get g = 0 and beta = 0, so they add nothing to the solve
+    if FUSED_GATING:
+        x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
+            dt_bias + i_hv).to(tl.float32)
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+        b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
+        b_beta = tl.where(m_t, tl.sigmoid(
+            tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)), 0.0)
+    else:
+        b_g = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    g_cum = tl.cumsum(b_g, axis=0)
+    e_g = tl.exp(g_cum)
+
+    # decay-aware masks; the exponent is masked first since G_i - G_j > 0 above the diagonal
+    diff = g_cum[:, None] - g_cum[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    decay = tl.exp(tl.where(causal, diff, 0.0))
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+
+    # X = I - H, [BU, BU]
+    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    X = tl.where(strict, -b_beta[:, None] * decay * kk, 0.0)
+    h_inv = _inverse_unit_lower(X, eye, U, PREC)
+
+    # S_0 slice [BV, K], read once
+    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h = tl.load(p_h, mask=m_v[:, None], other=0.0).to(tl.float32)
+
+    ks = tl.dot(b_k, tl.trans(b_h), input_precision=PREC)  # [BU, BV]
+    rhs = b_beta[:, None] * (b_v - e_g[:, None] * ks)
+    b_z = tl.dot(h_inv, rhs, input_precision=PREC)  # [BU, BV]
+
+    qs = tl.dot(b_q, tl.trans(b_h), input_precision=PREC)
+    qk = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
+    b_o = e_g[:, None] * qs + tl.dot(qk, b_z, input_precision=PREC)
+
+    m_tv = m_t[:, None] & m_v[None, :]
+    tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    tl.store(z_out + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_z, mask=m_tv)
+    if i_v == 0:
+        tl.store(g_out + tok * HV + i_hv, g_cum, mask=m_t)
+        if i_hv % (HV // HK) == 0:
+            tl.store(k_out + (tok[:, None] * HK + i_h) * K + o_k[None, :], b_k, mask=m_t[:, None])
+
+
+@dataclass
+class VerifyFactors:
+    """Compact factors of one layer's round for a batch (flattened tokens, as ``cu_seqlens``).
+
+    z: ``[T, HV, V]`` fp32; k: ``[T, HK, K]`` fp32 (normalised); g_cum: ``[T, HV]`` fp32.
+    """
+
+    z: torch.Tensor
+    k: torch.Tensor
+    g_cum: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_tokens: int, HK: int, HV: int, K: int, V: int, device,
+              num_layers: int | None = None) -> "VerifyFactors":
+        """Allocate factor buffers; with ``num_layers`` they get a leading layer dimension."""
+        lead = () if num_layers is None else (num_layers,)
+        f32 = torch.float32
+        return cls(z=torch.empty(*lead, num_tokens, HV, V, dtype=f32, device=device),
+                   k=torch.empty(*lead, num_tokens, HK, K, dtype=f32, device=device),
+                   g_cum=torch.empty(*lead, num_tokens, HV, dtype=f32, device=device))
+
+    def layer(self, i: int) -> "VerifyFactors":
+        return VerifyFactors(self.z[i], self.k[i], self.g_cum[i])
+
+
+def _check_shapes(q, k, v, state, cu_seqlens, state_indices, max_len):
+    if q.shape != k.shape or q.ndim != 3:
+        raise ValueError(f"q and k must both be [T, HK, K]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    T, HK, K = k.shape
+    if v.ndim != 3 or v.shape[0] != T:
+        raise ValueError(f"v must be [T={T}, HV, V]; got {tuple(v.shape)}")
+    HV, V = v.shape[1:]
+    if HV % HK:
+        raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
+    if K & (K - 1) or K < 16:
+        raise ValueError(f"key head dim must be a power of two >= 16, got {K}")
+    if state.ndim != 4 or tuple(state.shape[1:]) != (HV, V, K):
+        raise ValueError(f"state pool must be [slots, HV={HV}, V={V}, K={K}]; got {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state pool must be fp32, got {state.dtype}")
+    if state.stride()[1:] != (V * K, K, 1):
+        raise ValueError("each state slot must be contiguous [HV, V, K]")
+    if not 1 <= max_len <= MAX_VERIFY_LEN:
+        raise ValueError(f"max_len must be in 1..{MAX_VERIFY_LEN}, got {max_len}")
+    if cu_seqlens.shape[0] != state_indices.shape[0] + 1:
+        raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries, expected "
+                         f"len(state_indices) + 1 = {state_indices.shape[0] + 1}")
+
+
+def gdn_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+    scale: float | None = None, use_qk_l2norm: bool = True,
+    A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
+    BV: int = 32, precision: str = "ieee",
+) -> tuple[torch.Tensor, VerifyFactors]:
+    """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
+
+    Args:
+        q, k: ``[T, HK, K]`` and v: ``[T, HV, V]`` for all sequences' tokens, flattened
+            (any float dtype; raw, i.e. before the L2 norm when ``use_qk_l2norm``).
+        g, beta: ``[T, HV]`` log decay and writing strength; or, when ``A_log`` and ``dt_bias``
+            (``[HV]``) are given, the raw gate inputs ``a`` and ``b`` of the Qwen layer, and the
+            gates are computed in the kernel as :func:`naive.gdn_gating` does.
+        state: fp32 state pool ``[slots, HV, V, K]``; it is only read.
+        state_indices: ``[N]`` int slot of each sequence; slots ``<= 0`` (vLLM's null block and
+            padding) are skipped and their outputs left untouched.
+        cu_seqlens: ``[N + 1]`` int token offsets; every length must be ``<= max_len``.
+        max_len: the compile-time round length ``U`` (1..16).
+        out, factors: optional preallocated outputs (for CUDA graphs).
+    Returns:
+        ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
+    """
+    _check_shapes(q, k, v, state, cu_seqlens, state_indices, max_len)
+    T, HK, K = k.shape
+    HV, V = v.shape[1:]
+    N = state_indices.shape[0]
+    fused = A_log is not None
+    if fused != (dt_bias is not None):
+        raise ValueError("A_log and dt_bias must be given together (fused gating) or not at all")
+    if scale is None:
+        scale = K ** -0.5
+    if out is None:
+        out = torch.empty_like(v)
+    if factors is None:
+        factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
+    BV = min(BV, triton.next_power_of_2(V))
+    grid = (triton.cdiv(V, BV), N * HV)
+    dummy = g
+    gdn_verify_kernel[grid](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        A_log if fused else dummy, dt_bias if fused else dummy,
+        state, state_indices, cu_seqlens,
+        out, factors.z, factors.k, factors.g_cum,
+        scale, state.stride(0),
+        HK=HK, HV=HV, K=K, V=V, BV=BV, U=max_len, BU=MAX_VERIFY_LEN,
+        USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision,
+        num_warps=4,
+    )
+    return out, factors

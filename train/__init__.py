@@ -1,0 +1,1 @@
+"""Drafter training (importable as ``vllm_hybridspec.train``)."""

@@ -1,0 +1,1 @@
+"""Throughput-aware verification length (HybridSpec): pure torch, no vLLM import."""
