@@ -12,6 +12,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Keep `hybridspec` a command group even while it has a single command."""
+
+
 @app.command()
 def demo(
     max_len: int = typer.Option(16, help="verification length u (tokens of the target input, 2..16)"),

