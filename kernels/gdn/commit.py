@@ -89,7 +89,7 @@ def gdn_commit(
     states: StatePointers | Sequence[torch.Tensor],
     factors: VerifyFactors,
     cu_seqlens: torch.Tensor, state_indices: torch.Tensor, num_commit: torch.Tensor,
-    BV: int = 32, precision: str = "ieee",
+    BV: int = 32, num_warps: int = 4, precision: str = "ieee",
 ) -> None:
     """Advance every layer's state of every sequence through its ``m`` committed tokens, in place.
 
@@ -125,5 +125,5 @@ def gdn_commit(
         cu_seqlens, state_indices, num_commit,
         states.stride_slot, factors.z.stride(0), factors.k.stride(0), factors.g_cum.stride(0),
         HK=HK, HV=HV, K=K, V=V, BV=BV, BU=MAX_VERIFY_LEN, PREC=precision,
-        num_warps=4,
+        num_warps=num_warps,
     )

@@ -87,6 +87,10 @@ def gdn_verify_kernel(
     b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
+    # S_0 slice [BV, K], read once; issued early so its latency overlaps the triangular solve
+    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
+    b_h = tl.load(p_h, mask=m_v[:, None], other=0.0).to(tl.float32)
+
     # [BU]; padded rows get g = 0 and beta = 0, so they add nothing to the solve
     if FUSED_GATING:
         x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
@@ -112,10 +116,6 @@ def gdn_verify_kernel(
     kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     X = tl.where(strict, -b_beta[:, None] * decay * kk, 0.0)
     h_inv = _inverse_unit_lower(X, eye, U, PREC)
-
-    # S_0 slice [BV, K], read once
-    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-    b_h = tl.load(p_h, mask=m_v[:, None], other=0.0).to(tl.float32)
 
     ks = tl.dot(b_k, tl.trans(b_h), input_precision=PREC)  # [BU, BV]
     rhs = b_beta[:, None] * (b_v - e_g[:, None] * ks)
@@ -190,7 +190,7 @@ def gdn_verify(
     scale: float | None = None, use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
-    BV: int = 32, precision: str = "ieee",
+    BV: int = 32, num_warps: int = 4, precision: str = "ieee",
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -206,6 +206,8 @@ def gdn_verify(
         cu_seqlens: ``[N + 1]`` int token offsets; every length must be ``<= max_len``.
         max_len: the compile-time round length ``U`` (1..16).
         out, factors: optional preallocated outputs (for CUDA graphs).
+        BV, num_warps, precision: launch tuning (value rows per program, warps, ``tl.dot``
+            input precision: "ieee" fp32, or "tf32x3").
     Returns:
         ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
     """
@@ -233,6 +235,6 @@ def gdn_verify(
         scale, state.stride(0),
         HK=HK, HV=HV, K=K, V=V, BV=BV, U=max_len, BU=MAX_VERIFY_LEN,
         USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out, factors
