@@ -22,6 +22,7 @@ a float64 torch reference (fp32 and bf16 inputs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -206,13 +207,13 @@ class FlaChunk:
             self._call(i)
 
 
-def check_accuracy(w: int, B: int, verify_cfg: dict, commit_cfg: dict) -> dict:
+def check_accuracy(w: int, B: int, verify_cfg: dict, commit_cfg: dict, with_vllm: bool = True) -> dict:
     """Two consecutive rounds (commit w then ceil(w/2), and the reverse) vs vLLM and fp64 torch."""
     res = {}
     for dtype in (torch.float32, torch.bfloat16):
         worst = {"out_vs_fp64": 0.0, "state_vs_fp64": 0.0, "out_vs_vllm": 0.0, "state_vs_vllm": 0.0}
         for order in ((w, math.ceil(w / 2)), (math.ceil(w / 2), w)):
-            vllm_kernel = load_vllm_spec_decode_gdn_kernel()
+            vllm_kernel = load_vllm_spec_decode_gdn_kernel() if with_vllm else None
             pool0 = random_pool(B + 1, 7)
             ours_pool = pool0.clone()
             ref_states = [pool0[1 + b].double() for b in range(B)]
@@ -226,18 +227,20 @@ def check_accuracy(w: int, B: int, verify_cfg: dict, commit_cfg: dict) -> dict:
                 o, f = gdn_verify(r.q[0], r.k[0], r.v[0], g=r.a[0], beta=r.b[0], A_log=r.A_log[0],
                                   dt_bias=r.dt_bias[0], state=ours_pool, state_indices=slots,
                                   cu_seqlens=r.cu, max_len=w, **verify_cfg)
-                o_v, _ = vllm_kernel(
-                    A_log=r.A_log[0], a=r.a[0], b=r.b[0], dt_bias=r.dt_bias[0], q=r.q[0][None],
-                    k=r.k[0][None], v=r.v[0][None], initial_state=vllm_pool, inplace_final_state=True,
-                    cu_seqlens=r.cu, ssm_state_indices=idx, num_accepted_tokens=prev_acc,
-                    use_qk_l2norm_in_kernel=True)
+                if with_vllm:
+                    o_v, _ = vllm_kernel(
+                        A_log=r.A_log[0], a=r.a[0], b=r.b[0], dt_bias=r.dt_bias[0], q=r.q[0][None],
+                        k=r.k[0][None], v=r.v[0][None], initial_state=vllm_pool, inplace_final_state=True,
+                        cu_seqlens=r.cu, ssm_state_indices=idx, num_accepted_tokens=prev_acc,
+                        use_qk_l2norm_in_kernel=True)
                 gdn_commit([ours_pool], VerifyFactors(f.z[None], f.k[None], f.g_cum[None]), r.cu,
                            slots, torch.full((B,), m, dtype=torch.int32, device="cuda"), **commit_cfg)
                 prev_acc = torch.full((B,), m, dtype=torch.int32, device="cuda")
                 g, beta = gdn_gating(r.A_log[0].double(), r.a[0].double(), r.dt_bias[0].double(),
                                      r.b[0].double())
                 rel = lambda x, y: ((x.double() - y.double()).norm() / y.double().norm()).item()  # noqa: E731
-                worst["out_vs_vllm"] = max(worst["out_vs_vllm"], rel(o, o_v[0]))
+                if with_vllm:
+                    worst["out_vs_vllm"] = max(worst["out_vs_vllm"], rel(o, o_v[0]))
                 for b in range(B):
                     s = slice(b * w, (b + 1) * w)
                     o_ref, st = recurrent_gated_delta_rule(r.q[0][s].double(), r.k[0][s].double(),
@@ -245,45 +248,66 @@ def check_accuracy(w: int, B: int, verify_cfg: dict, commit_cfg: dict) -> dict:
                     ref_states[b] = st[m - 1]
                     worst["out_vs_fp64"] = max(worst["out_vs_fp64"], rel(o[s], o_ref))
                     worst["state_vs_fp64"] = max(worst["state_vs_fp64"], rel(ours_pool[1 + b], st[m - 1]))
-                    worst["state_vs_vllm"] = max(worst["state_vs_vllm"],
-                                                 rel(ours_pool[1 + b], vllm_pool[int(idx[b, m - 1])]))
+                    if with_vllm:
+                        worst["state_vs_vllm"] = max(worst["state_vs_vllm"],
+                                                     rel(ours_pool[1 + b], vllm_pool[int(idx[b, m - 1])]))
         res["fp32" if dtype == torch.float32 else "bf16"] = worst
     return res
 
 
 def tune(samples: int) -> tuple[dict, dict, list]:
-    """Pick the launch configuration of verify and commit at w = 16, batch 1 and 4."""
+    """Pick the launch configuration of verify and commit (batch 1 and 4, summed)."""
     rows = []
-    best_v, best_c = None, None
-    for prec in ("ieee", "tf32x3"):
-        for BV in (16, 32, 64):
-            for nw in (2, 4, 8):
-                cfg = dict(BV=BV, num_warps=nw, precision=prec)
-                try:
-                    t = 0.0
-                    for B in (1, 4):
-                        o = Ours(Round(B, 16), 16, cfg, cfg)
-                        o.verify()
-                        t += median_time_ms(graph_of(o.verify), samples)[0]
-                except Exception as e:  # noqa: BLE001 - a configuration that does not compile
-                    log(f"tune verify {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                rows.append(("verify", cfg, t))
-                if best_v is None or t < best_v[1]:
-                    best_v = (cfg, t)
-    for BV in (16, 32, 64):
-        for nw in (2, 4, 8):
-            cfg = dict(BV=BV, num_warps=nw, precision="ieee")
+
+    def verify_time(cfg, w):
+        t = 0.0
+        for B in (1, 4):
+            o = Ours(Round(B, w), w, cfg, {})
+            o.verify()
+            t += median_time_ms(graph_of(o.verify), samples)[0]
+        return t
+
+    best_v = None
+    for prec, BV, BK, nw in itertools.product(("ieee", "tf32x3"), (16, 32, 64), (32, 64, 128), (4, 8)):
+        cfg = dict(BV=BV, BK=BK, num_warps=nw, precision=prec)
+        try:
+            t = verify_time(cfg, 16)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile
+            log(f"tune verify {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(("verify", cfg, t))
+        log(f"tune verify {cfg}: {t:.4f} ms (B=1 + B=4, w=16)")
+        if best_v is None or t < best_v[1]:
+            best_v = (cfg, t)
+    vcfg = dict(best_v[0])
+    # the triangular inverse: substitution (u - 1 steps) or product series, by round length
+    series_from = 17
+    for w in (16, 12, 8, 4):
+        t_rows = verify_time(dict(vcfg, series_from=17), w)
+        t_series = verify_time(dict(vcfg, series_from=0), w)
+        rows.append(("inverse", dict(w=w, rows=t_rows, series=t_series), min(t_rows, t_series)))
+        log(f"tune inverse at w={w}: substitution {t_rows:.4f} ms, series {t_series:.4f} ms")
+        if t_series < t_rows:
+            series_from = w
+    vcfg["series_from"] = series_from
+    best_c = None
+    for BV, BK, nw in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8)):
+        cfg = dict(BV=BV, BK=BK, num_warps=nw, precision="ieee")
+        try:
             t = 0.0
             for B in (1, 4):
-                o = Ours(Round(B, 16), 16, best_v[0], cfg)
+                o = Ours(Round(B, 16), 16, vcfg, cfg)
                 o.verify()
                 o.commit()
                 t += median_time_ms(graph_of(o.commit), samples)[0]
-            rows.append(("commit", cfg, t))
-            if best_c is None or t < best_c[1]:
-                best_c = (cfg, t)
-    return best_v[0], best_c[0], rows
+        except Exception as e:  # noqa: BLE001
+            log(f"tune commit {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        rows.append(("commit", cfg, t))
+        log(f"tune commit {cfg}: {t:.4f} ms (B=1 + B=4, w=16)")
+        if best_c is None or t < best_c[1]:
+            best_c = (cfg, t)
+    return vcfg, best_c[0], rows
 
 
 def main(argv=None) -> int:
@@ -294,6 +318,8 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2, 3, 4, 8, 12, 16])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--no-tune", action="store_true", help="use the default launch configuration")
+    p.add_argument("--ours-only", action="store_true",
+                   help="time only our kernels (no vLLM or fla needed): for tuning")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gdn_kernels needs a CUDA GPU (with vLLM 0.26 and fla-core installed)", file=sys.stderr)
@@ -306,16 +332,15 @@ def main(argv=None) -> int:
     if args.no_tune:
         vcfg, ccfg, tune_rows = dict(), dict(), []
     else:
-        vcfg, ccfg, tune_rows = tune(args.samples)
-        for kind, cfg, t in tune_rows:
-            log(f"tune {kind} {cfg}: {t:.4f} ms (sum of B=1 and B=4 at w=16)")
+        vcfg, ccfg, tune_rows = tune(max(10, args.samples // 3))
     log(f"verify config {vcfg}, commit config {ccfg}")
 
     accuracy, results, failed = {}, [], []
-    fla_ok = True
+    fla_ok = not args.ours_only
+    nan = (float("nan"), float("nan"))
     for w in args.lengths:
         for B in args.batches:
-            acc = check_accuracy(w, B, vcfg, ccfg)
+            acc = check_accuracy(w, B, vcfg, ccfg, with_vllm=not args.ours_only)
             accuracy[f"w{w}_B{B}"] = acc
             ok = (max(acc["fp32"].values()) <= 1e-4 and max(acc["bf16"]["out_vs_fp64"],
                   acc["bf16"]["state_vs_fp64"]) <= 5e-3)
@@ -342,12 +367,15 @@ def main(argv=None) -> int:
                 t_round = median_time_ms(graph_of(ours.round), args.samples)
                 t_verify = median_time_ms(graph_of(ours.verify), args.samples)
                 t_commit = median_time_ms(graph_of(ours.commit), args.samples)
-                vl = VllmPath(r, m, with_copy=False)
-                vl.round()
-                t_vllm = median_time_ms(graph_of(vl.round), args.samples)
-                vlc = VllmPath(r, m, with_copy=True)
-                vlc.round()
-                t_vllm_copy = median_time_ms(graph_of(vlc.round), args.samples)
+                t_vllm = t_vllm_copy = nan
+                if not args.ours_only:
+                    vl = VllmPath(r, m, with_copy=False)
+                    vl.round()
+                    t_vllm = median_time_ms(graph_of(vl.round), args.samples)
+                    vlc = VllmPath(r, m, with_copy=True)
+                    vlc.round()
+                    t_vllm_copy = median_time_ms(graph_of(vlc.round), args.samples)
+                    del vl, vlc
                 row = dict(w=w, B=B, m=m, ours=t_round[0], ours_iqr=t_round[1],
                            ours_verify=t_verify[0], ours_commit=t_commit[0],
                            vllm=t_vllm[0], vllm_iqr=t_vllm[1], vllm_copy=t_vllm_copy[0],
@@ -362,7 +390,7 @@ def main(argv=None) -> int:
                     f"({row['speedup_vs_vllm']:.2f}x), vLLM+copy {row['vllm_copy']:.4f}, fla "
                     f"{row['fla'] if row['fla'] is None else round(row['fla'], 4)}, floor "
                     f"{row['floor']:.4f} ({row['x_floor']:.2f}x floor)")
-                del ours, vl, vlc
+                del ours
             torch.cuda.empty_cache()
     meta = dict(device=dev, copy_bandwidth_TBps=bw / 1e12, verify_config=vcfg, commit_config=ccfg,
                 layers=LAYERS, HK=HK, HV=HV, K=K, V=V, samples=args.samples,

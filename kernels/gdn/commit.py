@@ -25,7 +25,7 @@ def gdn_commit_kernel(
     cu_seqlens, state_indices, num_commit,  # [N + 1], [N], [N] (m = accepted + 1)
     stride_state_slot, stride_z_layer, stride_k_layer, stride_g_layer,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, BU: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, BU: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -37,7 +37,6 @@ def gdn_commit_kernel(
         return
 
     o_t = tl.arange(0, BU)
-    o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     m_t = o_t < m
     m_v = o_v < V
@@ -50,14 +49,17 @@ def gdn_commit_kernel(
 
     b_z = tl.load(z + i_l * stride_z_layer + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BU, BV]
-    b_k = tl.load(k + i_l * stride_k_layer + (tok[:, None] * HK + i_h) * K + o_k[None, :],
-                  mask=m_t[:, None], other=0.0)  # [BU, K]
-
+    zw_t = tl.trans(b_z * w[:, None])  # [BV, BU]
+    e_m = tl.exp(g_m)
     base = tl.load(state_ptrs + i_l).to(tl.pointer_type(tl.float32))
-    p_h = base + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-    b_h = tl.load(p_h, mask=m_v[:, None], other=0.0)  # [BV, K]
-    b_h = tl.exp(g_m) * b_h + tl.dot(tl.trans(b_z * w[:, None]), b_k, input_precision=PREC)
-    tl.store(p_h, b_h, mask=m_v[:, None])
+    p_h = base + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K
+    p_k = k + i_l * stride_k_layer + (tok[:, None] * HK + i_h) * K
+    for kc in tl.static_range(0, K, BK):
+        o_k = kc + tl.arange(0, BK)
+        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BU, BK]
+        b_h = tl.load(p_h + o_k[None, :], mask=m_v[:, None], other=0.0)  # [BV, BK]
+        b_h = e_m * b_h + tl.dot(zw_t, b_k, input_precision=PREC)
+        tl.store(p_h + o_k[None, :], b_h, mask=m_v[:, None])
 
 
 class StatePointers:
@@ -89,7 +91,7 @@ def gdn_commit(
     states: StatePointers | Sequence[torch.Tensor],
     factors: VerifyFactors,
     cu_seqlens: torch.Tensor, state_indices: torch.Tensor, num_commit: torch.Tensor,
-    BV: int = 32, num_warps: int = 4, precision: str = "ieee",
+    BV: int = 32, BK: int = 128, num_warps: int = 4, precision: str = "ieee",
 ) -> None:
     """Advance every layer's state of every sequence through its ``m`` committed tokens, in place.
 
@@ -124,6 +126,6 @@ def gdn_commit(
         states.ptrs, factors.z, factors.k, factors.g_cum,
         cu_seqlens, state_indices, num_commit,
         states.stride_slot, factors.z.stride(0), factors.k.stride(0), factors.g_cum.stride(0),
-        HK=HK, HV=HV, K=K, V=V, BV=BV, BU=MAX_VERIFY_LEN, PREC=precision,
+        HK=HK, HV=HV, K=K, V=V, BV=BV, BK=min(BK, K), BU=MAX_VERIFY_LEN, PREC=precision,
         num_warps=num_warps,
     )

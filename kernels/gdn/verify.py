@@ -5,11 +5,12 @@ paragraph "Triangular solve for short inputs".  The torch reference is
 :func:`vllm_hybridspec.kernels.gdn.naive.chunk_verify`; the conventions are in ``naive.py``.
 
 One program handles one (sequence, value head, block of ``BV`` value rows).  It reads its slice of
-``S_0`` once, solves the ``u x u`` unit lower-triangular system of Eq. 3 with the exact identity
-``H^{-1} = (I + X + X^2 + X^3)(I + X^4 + X^8 + X^12)`` (``X = I - H`` is nilpotent for ``u <= 16``),
-and writes the outputs and the compact factors ``(z, k, G)``.  The maximal round length ``U`` is a
-compile-time constant, so every length 2..16 gets its own specialisation and short rounds skip the
-powers of ``X`` they do not need.
+``S_0`` once, inverts the ``u x u`` unit lower-triangular matrix of Eq. 3 and writes the outputs and
+the compact factors ``(z, k, G)``.  Two exact inversions are available, chosen per round length:
+row-by-row substitution (``u - 1`` cheap steps on registers) and the product series
+``H^{-1} = (I + X + X^2 + X^3)(I + X^4 + X^8 + X^12)`` (``X = I - H`` is nilpotent for ``u <= 16``;
+five matrix products deep).  The maximal round length ``U`` is a compile-time constant, so every
+length 2..16 gets its own specialisation and short rounds skip the work they do not need.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MAX_VERIFY_LEN = 16
 
 
 @triton.jit
-def _inverse_unit_lower(X, I, U: tl.constexpr, PREC: tl.constexpr):
+def _inverse_unit_lower_series(X, I, U: tl.constexpr, PREC: tl.constexpr):
     """``(I - X)^{-1}`` for strictly lower-triangular ``X`` of size ``BU``, nonzero in ``U`` rows."""
     inv = I + X
     if U > 2:
@@ -45,6 +46,17 @@ def _inverse_unit_lower(X, I, U: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _inverse_unit_lower_rows(X, I, rows, U: tl.constexpr):
+    """Same inverse by substitution: row ``i`` of ``A = (I - X)^{-1}`` is ``e_i + X[i, :i] A[:i]``."""
+    XT = tl.trans(X)  # column i of XT is row i of X, laid out along dim 0 like A's rows
+    A = I
+    for i in tl.static_range(1, U):
+        x_i = tl.sum(tl.where(rows[None, :] == i, XT, 0.0), axis=1)  # [BU] = X[i, :]
+        A += tl.where(rows[:, None] == i, tl.sum(x_i[:, None] * A, axis=0)[None, :], 0.0)
+    return A
+
+
+@triton.jit
 def gdn_verify_kernel(
     q, k, v,  # [T, HK, K], [T, HK, K], [T, HV, V]
     g_or_a, beta_or_b,  # [T, HV]: (g, beta), or the raw gate inputs (a, b) when FUSED_GATING
@@ -55,8 +67,9 @@ def gdn_verify_kernel(
     scale,
     stride_state_slot,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
+    SERIES_FROM: tl.constexpr,  # rounds of U >= SERIES_FROM use the product series
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -68,29 +81,16 @@ def gdn_verify_kernel(
         return
 
     o_t = tl.arange(0, BU)
-    o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     m_t = o_t < length
     m_v = o_v < V
     tok = bos + o_t
+    p_qk = (tok[:, None] * HK + i_h) * K  # row offsets of this key head's q and k
+    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K
 
-    # [BU, K] fp32
-    b_k = tl.load(k + (tok[:, None] * HK + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
-                  ).to(tl.float32)
-    b_q = tl.load(q + (tok[:, None] * HK + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0
-                  ).to(tl.float32)
-    if USE_QK_L2NORM:
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)[:, None]
-    b_q = b_q * scale
     # [BU, BV]
     b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
                   mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-
-    # S_0 slice [BV, K], read once; issued early so its latency overlaps the triangular solve
-    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :]
-    b_h = tl.load(p_h, mask=m_v[:, None], other=0.0).to(tl.float32)
-
     # [BU]; padded rows get g = 0 and beta = 0, so they add nothing to the solve
     if FUSED_GATING:
         x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
@@ -102,9 +102,42 @@ def gdn_verify_kernel(
     else:
         b_g = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
         b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+
+    # One pass over the key dimension in chunks of BK: S_0 is read once, and only [BU, BV] and
+    # [BU, BU] products stay live (a whole [BV, K] fp32 state slice would spill registers).  The
+    # products use the raw q and k; the L2 norms are applied to the products afterwards.
+    ss_k = tl.zeros([BU], dtype=tl.float32)
+    ss_q = tl.zeros([BU], dtype=tl.float32)
+    kk = tl.zeros([BU, BU], dtype=tl.float32)
+    qk = tl.zeros([BU, BU], dtype=tl.float32)
+    ks = tl.zeros([BU, BV], dtype=tl.float32)
+    qs = tl.zeros([BU, BV], dtype=tl.float32)
+    for kc in tl.static_range(0, K, BK):
+        o_k = kc + tl.arange(0, BK)
+        k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        q_c = tl.load(q + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        h_c = tl.load(p_h + o_k[None, :], mask=m_v[:, None], other=0.0)  # [BV, BK] of S_0
+        ss_k += tl.sum(k_c * k_c, axis=1)
+        ss_q += tl.sum(q_c * q_c, axis=1)
+        k_t = tl.trans(k_c)
+        h_t = tl.trans(h_c)
+        kk += tl.dot(k_c, k_t, input_precision=PREC)
+        qk += tl.dot(q_c, k_t, input_precision=PREC)
+        ks += tl.dot(k_c, h_t, input_precision=PREC)
+        qs += tl.dot(q_c, h_t, input_precision=PREC)
+    if USE_QK_L2NORM:
+        r_k = tl.rsqrt(ss_k + 1e-6)
+        r_q = tl.rsqrt(ss_q + 1e-6) * scale
+    else:
+        r_k = tl.full([BU], 1.0, dtype=tl.float32)
+        r_q = tl.full([BU], scale, dtype=tl.float32)
+    kk = kk * r_k[:, None] * r_k[None, :]
+    qk = qk * r_q[:, None] * r_k[None, :]
+    ks = ks * r_k[:, None]  # rows k_i^T S_0^T with unit keys
+    qs = qs * r_q[:, None]
+
     g_cum = tl.cumsum(b_g, axis=0)
     e_g = tl.exp(g_cum)
-
     # decay-aware masks; the exponent is masked first since G_i - G_j > 0 above the diagonal
     diff = g_cum[:, None] - g_cum[None, :]
     strict = o_t[:, None] > o_t[None, :]
@@ -112,18 +145,16 @@ def gdn_verify_kernel(
     decay = tl.exp(tl.where(causal, diff, 0.0))
     eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
 
-    # X = I - H, [BU, BU]
-    kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    # X = I - H (Eq. 3), [BU, BU]
     X = tl.where(strict, -b_beta[:, None] * decay * kk, 0.0)
-    h_inv = _inverse_unit_lower(X, eye, U, PREC)
-
-    ks = tl.dot(b_k, tl.trans(b_h), input_precision=PREC)  # [BU, BV]
+    if U >= SERIES_FROM:
+        h_inv = _inverse_unit_lower_series(X, eye, U, PREC)
+    else:
+        h_inv = _inverse_unit_lower_rows(X, eye, o_t, U)
     rhs = b_beta[:, None] * (b_v - e_g[:, None] * ks)
     b_z = tl.dot(h_inv, rhs, input_precision=PREC)  # [BU, BV]
-
-    qs = tl.dot(b_q, tl.trans(b_h), input_precision=PREC)
-    qk = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
-    b_o = e_g[:, None] * qs + tl.dot(qk, b_z, input_precision=PREC)
+    # Eq. 10
+    b_o = e_g[:, None] * qs + tl.dot(tl.where(causal, qk * decay, 0.0), b_z, input_precision=PREC)
 
     m_tv = m_t[:, None] & m_v[None, :]
     tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
@@ -131,7 +162,10 @@ def gdn_verify_kernel(
     if i_v == 0:
         tl.store(g_out + tok * HV + i_hv, g_cum, mask=m_t)
         if i_hv % (HV // HK) == 0:
-            tl.store(k_out + (tok[:, None] * HK + i_h) * K + o_k[None, :], b_k, mask=m_t[:, None])
+            for kc in tl.static_range(0, K, BK):
+                o_k = kc + tl.arange(0, BK)
+                k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+                tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
 
 
 @dataclass
@@ -190,7 +224,8 @@ def gdn_verify(
     scale: float | None = None, use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
-    BV: int = 32, num_warps: int = 4, precision: str = "ieee",
+    BV: int = 32, BK: int = 32, num_warps: int = 4, precision: str = "ieee",
+    series_from: int = MAX_VERIFY_LEN + 1,
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -206,8 +241,9 @@ def gdn_verify(
         cu_seqlens: ``[N + 1]`` int token offsets; every length must be ``<= max_len``.
         max_len: the compile-time round length ``U`` (1..16).
         out, factors: optional preallocated outputs (for CUDA graphs).
-        BV, num_warps, precision: launch tuning (value rows per program, warps, ``tl.dot``
-            input precision: "ieee" fp32, or "tf32x3").
+        BV, BK, num_warps, precision: launch tuning (value rows per program, key chunk, warps, ``tl.dot``
+            input precision: "ieee" fp32, or "tf32x3"); ``series_from``: the round length from
+            which the triangular inverse uses the product series instead of substitution.
     Returns:
         ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
     """
@@ -225,6 +261,7 @@ def gdn_verify(
     if factors is None:
         factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
     BV = min(BV, triton.next_power_of_2(V))
+    BK = min(BK, K)
     grid = (triton.cdiv(V, BV), N * HV)
     dummy = g
     gdn_verify_kernel[grid](
@@ -233,8 +270,8 @@ def gdn_verify(
         state, state_indices, cu_seqlens,
         out, factors.z, factors.k, factors.g_cum,
         scale, state.stride(0),
-        HK=HK, HV=HV, K=K, V=V, BV=BV, U=max_len, BU=MAX_VERIFY_LEN,
-        USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision,
+        HK=HK, HV=HV, K=K, V=V, BV=BV, BK=BK, U=max_len, BU=MAX_VERIFY_LEN,
+        USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision, SERIES_FROM=series_from,
         num_warps=num_warps,
     )
     return out, factors

@@ -38,7 +38,7 @@ def _reference(r, pool, slots, i):
 
 
 def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=True,
-                strong_decay=False, BV=32):
+                strong_decay=False, BV=32, **verify_kw):
     """Verify ``num_layers`` layers of one round, commit all in one launch, return max errors."""
     N = len(lengths)
     slots = torch.randperm(2 * N, generator=gen)[:N] + 1  # slot 0 is the null block
@@ -62,7 +62,7 @@ def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=
             gates = dict(g=g.float(), beta=beta.float())
         o, _ = gdn_verify(r.q, r.k, r.v, state=pools[layer], state_indices=idx, cu_seqlens=cu,
                           max_len=max(lengths), out=out, factors=stacked.layer(layer), BV=BV,
-                          **gates)
+                          **gates, **verify_kw)
         assert torch.equal(pools[layer], before[layer]), "verify must not write states"
         for i in range(N):
             o_ref, _ = _reference(r, before[layer], slots, i)
@@ -81,12 +81,15 @@ def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=
     return out_err, state_err
 
 
+@pytest.mark.parametrize("inverse", ["rows", "series"])
 @pytest.mark.parametrize("u", list(range(2, 17)))
-def test_every_length_and_every_commit_count_fp32(u):
-    """u sequences of length u, sequence i commits m = i + 1: all m in 1..u, grouped heads."""
+def test_every_length_and_every_commit_count_fp32(u, inverse):
+    """u sequences of length u, sequence i commits m = i + 1: all m in 1..u, grouped heads;
+    both triangular inversions (substitution, product series)."""
     gen = torch.Generator().manual_seed(u)
+    series_from = 0 if inverse == "series" else 17
     out_err, state_err = _run_layers(gen, [u] * u, list(range(1, u + 1)), HK=2, HV=4, K=16, V=32,
-                                     dtype=torch.float32)
+                                     dtype=torch.float32, series_from=series_from, BK=16)
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
@@ -113,7 +116,7 @@ def test_full_head_dims_and_strong_decay():
     """The 35B shape's 128 x 128 heads (4 value blocks of 32), with decays down to e^-50."""
     gen = torch.Generator().manual_seed(5)
     out_err, state_err = _run_layers(gen, [16, 9], [5, 9], HK=1, HV=2, K=128, V=128,
-                                     dtype=torch.float32, strong_decay=True, num_layers=1)
+                                     dtype=torch.float32, strong_decay=True, num_layers=1, BK=64)
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
@@ -124,6 +127,7 @@ def test_round_after_round_matches_recurrence():
     pool = random_states(gen, 3, HV, V, K)
     S = pool[2].double().clone()
     idx = torch.tensor([2], dtype=torch.int32)
+    errs = []
     for u, m in ((8, 3), (5, 5), (16, 1)):
         r = random_round(gen, [u], HK, HV, K, V)
         o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
