@@ -268,8 +268,11 @@ def tune(samples: int) -> tuple[dict, dict, list]:
         return t
 
     best_v = None
-    for prec, BV, BK, nw in itertools.product(("ieee", "tf32x3"), (16, 32, 64), (32, 64, 128), (4, 8)):
-        cfg = dict(BV=BV, BK=BK, num_warps=nw, precision=prec)
+    candidates = [dict(BV=BV, BK=BK, num_warps=nw, precision=prec, transposed=tr)
+                  for tr, prec, BV, BK, nw in itertools.product(
+                      (False, True), ("ieee", "tf32x3"), (32, 64, 128), (32, 64), (4, 8))
+                  if not (BV == 128 and not tr)]
+    for cfg in candidates:
         try:
             t = verify_time(cfg, 16)
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile
@@ -291,7 +294,7 @@ def tune(samples: int) -> tuple[dict, dict, list]:
             series_from = w
     vcfg["series_from"] = series_from
     best_c = None
-    for BV, BK, nw in itertools.product((16, 32, 64), (32, 64, 128), (2, 4, 8)):
+    for BV, BK, nw in ((16, 32, 2), (32, 32, 2), (32, 64, 2), (64, 32, 2), (64, 64, 4), (32, 64, 4)):
         cfg = dict(BV=BV, BK=BK, num_warps=nw, precision="ieee")
         try:
             t = 0.0

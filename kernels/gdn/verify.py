@@ -168,6 +168,110 @@ def gdn_verify_kernel(
                 tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
 
 
+@triton.jit
+def gdn_verify_kernel_t(
+    q, k, v, g_or_a, beta_or_b, A_log, dt_bias, state, state_indices, cu_seqlens,
+    o, z_out, k_out, g_out, scale, stride_state_slot,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
+    SERIES_FROM: tl.constexpr,
+):
+    """The same computation as :func:`gdn_verify_kernel` on transposed tiles: the state's value rows
+    (``BV``) are the leading dimension of the big products, and q and k are interleaved into one
+    ``[2 BU, BK]`` operand, so each key chunk costs two matrix products instead of four."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    if (length <= 0) | (slot <= 0):
+        return
+
+    o_t = tl.arange(0, BU)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < length
+    m_v = o_v < V
+    tok = bos + o_t
+    p_qk = (tok[:, None] * HK + i_h) * K
+    # rows of the interleaved operand: token r // 2, its key (r even) or query (r odd)
+    o_r = tl.arange(0, 2 * BU)
+    m_r = (o_r // 2) < length
+    p_kq = tl.where(o_r % 2 == 0, k, q) + ((bos + o_r // 2) * HK + i_h) * K
+    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K
+
+    # [BV, BU]: v transposed
+    b_vt = tl.load(v + (tok[None, :] * HV + i_hv) * V + o_v[:, None],
+                   mask=m_t[None, :] & m_v[:, None], other=0.0).to(tl.float32)
+    if FUSED_GATING:
+        x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
+            dt_bias + i_hv).to(tl.float32)
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+        b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
+        b_beta = tl.where(m_t, tl.sigmoid(
+            tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)), 0.0)
+    else:
+        b_g = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+
+    ss_kq = tl.zeros([2 * BU], dtype=tl.float32)
+    ss_k = tl.zeros([BU], dtype=tl.float32)
+    s_kq = tl.zeros([BV, 2 * BU], dtype=tl.float32)  # S_0 [k; q]^T
+    k_kq = tl.zeros([BU, 2 * BU], dtype=tl.float32)  # k [k; q]^T
+    for kc in tl.static_range(0, K, BK):
+        o_k = kc + tl.arange(0, BK)
+        kq_c = tl.load(p_kq[:, None] + o_k[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
+        k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+        h_c = tl.load(p_h + o_k[None, :], mask=m_v[:, None], other=0.0)  # [BV, BK] of S_0
+        ss_kq += tl.sum(kq_c * kq_c, axis=1)
+        ss_k += tl.sum(k_c * k_c, axis=1)
+        kq_t = tl.trans(kq_c)
+        s_kq += tl.dot(h_c, kq_t, input_precision=PREC)
+        k_kq += tl.dot(k_c, kq_t, input_precision=PREC)
+    if USE_QK_L2NORM:
+        r_kq = tl.rsqrt(ss_kq + 1e-6)
+        r_k = tl.rsqrt(ss_k + 1e-6)
+    else:
+        r_kq = tl.full([2 * BU], 1.0, dtype=tl.float32)
+        r_k = tl.full([BU], 1.0, dtype=tl.float32)
+    r_kq = tl.where(o_r % 2 == 0, r_kq, r_kq * scale)
+    ks_t, qs_t = tl.split(tl.reshape(s_kq * r_kq[None, :], [BV, BU, 2]))  # [BV, BU] each
+    kk, qk_t = tl.split(tl.reshape(k_kq * r_kq[None, :], [BU, BU, 2]))
+    kk = kk * r_k[:, None]  # k_i . k_j
+    qk_t = qk_t * r_k[:, None]  # [j, i] = k_j . q_i
+
+    g_cum = tl.cumsum(b_g, axis=0)
+    e_g = tl.exp(g_cum)
+    diff = g_cum[:, None] - g_cum[None, :]  # [a, b] = G_a - G_b
+    strict = o_t[:, None] > o_t[None, :]
+    causal = o_t[:, None] >= o_t[None, :]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    X = tl.where(strict, -b_beta[:, None] * tl.exp(tl.where(strict, diff, 0.0)) * kk, 0.0)
+    if U >= SERIES_FROM:
+        h_inv = _inverse_unit_lower_series(X, eye, U, PREC)
+    else:
+        h_inv = _inverse_unit_lower_rows(X, eye, o_t, U)
+    rhs_t = b_beta[None, :] * (b_vt - e_g[None, :] * ks_t)  # [BV, BU]
+    b_zt = tl.dot(rhs_t, tl.trans(h_inv), input_precision=PREC)  # Z^T = rhs^T H^-T
+    # (Gamma * Q K^T)^T [j, i] = e^{G_i - G_j} k_j . q_i for j <= i
+    m_t2 = tl.where(o_t[:, None] <= o_t[None, :],
+                    qk_t * tl.exp(tl.where(o_t[:, None] <= o_t[None, :], -diff, 0.0)), 0.0)
+    b_ot = e_g[None, :] * qs_t + tl.dot(b_zt, m_t2, input_precision=PREC)
+
+    m_vt = m_v[:, None] & m_t[None, :]
+    p_o = (tok[None, :] * HV + i_hv) * V + o_v[:, None]
+    tl.store(o + p_o, b_ot.to(o.dtype.element_ty), mask=m_vt)
+    tl.store(z_out + p_o, b_zt, mask=m_vt)
+    if i_v == 0:
+        tl.store(g_out + tok * HV + i_hv, g_cum, mask=m_t)
+        if i_hv % (HV // HK) == 0:
+            for kc in tl.static_range(0, K, BK):
+                o_k = kc + tl.arange(0, BK)
+                k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+                tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
+
+
 @dataclass
 class VerifyFactors:
     """Compact factors of one layer's round for a batch (flattened tokens, as ``cu_seqlens``).
@@ -225,7 +329,7 @@ def gdn_verify(
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
     BV: int = 32, BK: int = 32, num_warps: int = 4, precision: str = "ieee",
-    series_from: int = MAX_VERIFY_LEN + 1,
+    series_from: int = MAX_VERIFY_LEN + 1, transposed: bool = False,
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -264,7 +368,8 @@ def gdn_verify(
     BK = min(BK, K)
     grid = (triton.cdiv(V, BV), N * HV)
     dummy = g
-    gdn_verify_kernel[grid](
+    kernel = gdn_verify_kernel_t if transposed else gdn_verify_kernel
+    kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         A_log if fused else dummy, dt_bias if fused else dummy,
         state, state_indices, cu_seqlens,
