@@ -268,10 +268,8 @@ def tune(samples: int) -> tuple[dict, dict, list]:
         return t
 
     best_v = None
-    candidates = [dict(BV=BV, BK=BK, num_warps=nw, precision=prec, transposed=tr)
-                  for tr, prec, BV, BK, nw in itertools.product(
-                      (False, True), ("ieee", "tf32x3"), (32, 64, 128), (32, 64), (4, 8))
-                  if not (BV == 128 and not tr)]
+    candidates = [dict(BV=BV, BK=BK, num_warps=nw, precision=prec)
+                  for prec, BV, BK, nw in itertools.product(("ieee", "tf32x3"), (32, 64, 128), (32, 64), (4, 8))]
     for cfg in candidates:
         try:
             t = verify_time(cfg, 16)

@@ -91,7 +91,7 @@ def gdn_commit(
     states: StatePointers | Sequence[torch.Tensor],
     factors: VerifyFactors,
     cu_seqlens: torch.Tensor, state_indices: torch.Tensor, num_commit: torch.Tensor,
-    BV: int = 32, BK: int = 128, num_warps: int = 4, precision: str = "ieee",
+    BV: int = 32, BK: int = 64, num_warps: int = 2, precision: str = "ieee",
 ) -> None:
     """Advance every layer's state of every sequence through its ``m`` committed tokens, in place.
 

@@ -71,115 +71,10 @@ def gdn_verify_kernel(
     USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
     SERIES_FROM: tl.constexpr,  # rounds of U >= SERIES_FROM use the product series
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // HK)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-    if (length <= 0) | (slot <= 0):
-        return
-
-    o_t = tl.arange(0, BU)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t = o_t < length
-    m_v = o_v < V
-    tok = bos + o_t
-    p_qk = (tok[:, None] * HK + i_h) * K  # row offsets of this key head's q and k
-    p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K
-
-    # [BU, BV]
-    b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
-                  mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    # [BU]; padded rows get g = 0 and beta = 0, so they add nothing to the solve
-    if FUSED_GATING:
-        x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
-            dt_bias + i_hv).to(tl.float32)
-        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
-        b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
-        b_beta = tl.where(m_t, tl.sigmoid(
-            tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)), 0.0)
-    else:
-        b_g = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-
-    # One pass over the key dimension in chunks of BK: S_0 is read once, and only [BU, BV] and
-    # [BU, BU] products stay live (a whole [BV, K] fp32 state slice would spill registers).  The
-    # products use the raw q and k; the L2 norms are applied to the products afterwards.
-    ss_k = tl.zeros([BU], dtype=tl.float32)
-    ss_q = tl.zeros([BU], dtype=tl.float32)
-    kk = tl.zeros([BU, BU], dtype=tl.float32)
-    qk = tl.zeros([BU, BU], dtype=tl.float32)
-    ks = tl.zeros([BU, BV], dtype=tl.float32)
-    qs = tl.zeros([BU, BV], dtype=tl.float32)
-    for kc in tl.static_range(0, K, BK):
-        o_k = kc + tl.arange(0, BK)
-        k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        q_c = tl.load(q + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        h_c = tl.load(p_h + o_k[None, :], mask=m_v[:, None], other=0.0)  # [BV, BK] of S_0
-        ss_k += tl.sum(k_c * k_c, axis=1)
-        ss_q += tl.sum(q_c * q_c, axis=1)
-        k_t = tl.trans(k_c)
-        h_t = tl.trans(h_c)
-        kk += tl.dot(k_c, k_t, input_precision=PREC)
-        qk += tl.dot(q_c, k_t, input_precision=PREC)
-        ks += tl.dot(k_c, h_t, input_precision=PREC)
-        qs += tl.dot(q_c, h_t, input_precision=PREC)
-    if USE_QK_L2NORM:
-        r_k = tl.rsqrt(ss_k + 1e-6)
-        r_q = tl.rsqrt(ss_q + 1e-6) * scale
-    else:
-        r_k = tl.full([BU], 1.0, dtype=tl.float32)
-        r_q = tl.full([BU], scale, dtype=tl.float32)
-    kk = kk * r_k[:, None] * r_k[None, :]
-    qk = qk * r_q[:, None] * r_k[None, :]
-    ks = ks * r_k[:, None]  # rows k_i^T S_0^T with unit keys
-    qs = qs * r_q[:, None]
-
-    g_cum = tl.cumsum(b_g, axis=0)
-    e_g = tl.exp(g_cum)
-    # decay-aware masks; the exponent is masked first since G_i - G_j > 0 above the diagonal
-    diff = g_cum[:, None] - g_cum[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    causal = o_t[:, None] >= o_t[None, :]
-    decay = tl.exp(tl.where(causal, diff, 0.0))
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-
-    # X = I - H (Eq. 3), [BU, BU]
-    X = tl.where(strict, -b_beta[:, None] * decay * kk, 0.0)
-    if U >= SERIES_FROM:
-        h_inv = _inverse_unit_lower_series(X, eye, U, PREC)
-    else:
-        h_inv = _inverse_unit_lower_rows(X, eye, o_t, U)
-    rhs = b_beta[:, None] * (b_v - e_g[:, None] * ks)
-    b_z = tl.dot(h_inv, rhs, input_precision=PREC)  # [BU, BV]
-    # Eq. 10
-    b_o = e_g[:, None] * qs + tl.dot(tl.where(causal, qk * decay, 0.0), b_z, input_precision=PREC)
-
-    m_tv = m_t[:, None] & m_v[None, :]
-    tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-    tl.store(z_out + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_z, mask=m_tv)
-    if i_v == 0:
-        tl.store(g_out + tok * HV + i_hv, g_cum, mask=m_t)
-        if i_hv % (HV // HK) == 0:
-            for kc in tl.static_range(0, K, BK):
-                o_k = kc + tl.arange(0, BK)
-                k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-                tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
-
-
-@triton.jit
-def gdn_verify_kernel_t(
-    q, k, v, g_or_a, beta_or_b, A_log, dt_bias, state, state_indices, cu_seqlens,
-    o, z_out, k_out, g_out, scale, stride_state_slot,
-    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, BK: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
-    SERIES_FROM: tl.constexpr,
-):
-    """The same computation as :func:`gdn_verify_kernel` on transposed tiles: the state's value rows
-    (``BV``) are the leading dimension of the big products, and q and k are interleaved into one
-    ``[2 BU, BK]`` operand, so each key chunk costs two matrix products instead of four."""
+    """Eqs. 3 and 10 on transposed tiles: the state's value rows (``BV``) lead the big products,
+    and q and k are interleaved into one ``[2 BU, BK]`` operand, so each key chunk costs two matrix
+    products.  The key dimension is walked in chunks of ``BK`` (``S_0`` read once, no whole fp32
+    state slice in registers); the products use raw q and k and the L2 norms are applied after."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // HK)
@@ -328,8 +223,8 @@ def gdn_verify(
     scale: float | None = None, use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
-    BV: int = 32, BK: int = 32, num_warps: int = 4, precision: str = "ieee",
-    series_from: int = MAX_VERIFY_LEN + 1, transposed: bool = False,
+    BV: int = 64, BK: int = 64, num_warps: int = 4, precision: str = "tf32x3",
+    series_from: int = MAX_VERIFY_LEN + 1,
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -346,8 +241,10 @@ def gdn_verify(
         max_len: the compile-time round length ``U`` (1..16).
         out, factors: optional preallocated outputs (for CUDA graphs).
         BV, BK, num_warps, precision: launch tuning (value rows per program, key chunk, warps, ``tl.dot``
-            input precision: "ieee" fp32, or "tf32x3"); ``series_from``: the round length from
-            which the triangular inverse uses the product series instead of substitution.
+            input precision: "tf32x3", about fp32 accuracy on tensor cores, or "ieee"); the
+            defaults were the fastest on the H200 (docs/benchmarks/gdn_kernels.md).
+            ``series_from``: the round length from which the triangular inverse uses the product
+            series instead of substitution (substitution measured faster at every length).
     Returns:
         ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
     """
@@ -368,8 +265,7 @@ def gdn_verify(
     BK = min(BK, K)
     grid = (triton.cdiv(V, BV), N * HV)
     dummy = g
-    kernel = gdn_verify_kernel_t if transposed else gdn_verify_kernel
-    kernel[grid](
+    gdn_verify_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
         A_log if fused else dummy, dt_bias if fused else dummy,
         state, state_indices, cu_seqlens,
