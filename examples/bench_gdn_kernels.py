@@ -319,9 +319,15 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2, 3, 4, 8, 12, 16])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--no-tune", action="store_true", help="use the default launch configuration")
+    p.add_argument("--render", type=Path, help="only re-render --out from a --json file of an earlier run")
     p.add_argument("--ours-only", action="store_true",
                    help="time only our kernels (no vLLM or fla needed): for tuning")
     args = p.parse_args(argv)
+    if args.render:
+        data = json.loads(args.render.read_text())
+        (args.out or Path("/dev/stdout")).write_text(
+            render_markdown(data["meta"], data["accuracy"], data["results"]))
+        return 0
     if not torch.cuda.is_available():
         print("bench_gdn_kernels needs a CUDA GPU (with vLLM 0.26 and fla-core installed)", file=sys.stderr)
         return 2
@@ -426,8 +432,10 @@ def render_markdown(meta, accuracy, results) -> str:
         "(verify) plus read S0 and write S_m once (commit) at that bandwidth.",
         "",
         "- ours: `gdn_verify` per layer (all w tokens in parallel, no per-token state) + one `gdn_commit` "
-        "for all layers; launch configuration chosen in the same run: verify "
-        f"`{meta['verify_config']}`, commit `{meta['commit_config']}`.",
+        "for all layers; launch configuration: "
+        + (f"chosen in the same run: verify `{meta['verify_config']}`, commit `{meta['commit_config']}`."
+           if meta["verify_config"] else "the library defaults (chosen by earlier `--ours-only` tuning "
+           "runs, see gdn_kernels_tuning.log)."),
         "- vLLM: `fused_sigmoid_gating_delta_rule_update` exactly as vLLM 0.26's Qwen GDN layer calls it "
         "when speculating (state slots [B, w], one state written per token; the round reads the slot of "
         "the previously accepted token, so vLLM's default mode needs no copy); vLLM+copy adds the copy of "
