@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import typer
 
+from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
+from vllm_hybridspec.train.cli import train
+
 app = typer.Typer(
     name="hybridspec",
     help="vllm-hybridspec: fast, exact speculative decoding for hybrid GDN-MoE models in vLLM.",
@@ -30,6 +33,11 @@ def demo(
 
     ok = run_gdn_round_demo(max_len=max_len, batch=batch, layers=layers, seed=seed)
     raise typer.Exit(0 if ok else 1)
+
+
+app.add_typer(calibrate_app, name="calibrate")
+app.command("simulate")(simulate_command)
+app.command("train")(train)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,312 @@
+"""The policy file (versioned JSON) holding every fitted parameter, and :class:`Policy`, the same
+parameters as device tensors with the per-round calls of Algorithm 1.
+
+Version 1 (``hybridspec calibrate fit`` writes it; times in milliseconds, lengths ``w = M + 1``)::
+
+    {
+      "format": "hybridspec-policy", "version": 1,
+      "draft_len": 15,                      # D; W = D + 1
+      "min_length": 2,                      # W0 = {min_length..W}; 1 allows verifying no draft token
+      "time_unit": "ms",
+      "acceptance": {
+        "features": ["calibrated_conf", "position", "calibrated_conf*position",
+                     "log1p_entropy", "entropy_change"],
+        "entropy_eps": 1e-4,
+        "isotonic": [{"x": [...], "y": [...]}, ...],      # D maps, x increasing, y in [0, 1]
+        "coef": [5 floats], "intercept": float
+      },
+      "cost": {"measured_lengths": [...], "quadratic": [c0, c1, c2], "fixed": float,
+               "curve": [W floats]},                    # C_tgt(w) = c0 + c1 w + c2 w^2 - fixed
+      "rate": float,                                    # rho, tokens per ms
+      "routing": null | {"s": float, "eta": float, "experts_per_token": k, "later_layers": bool,
+                         "n_all": [D floats], "n_all_given": [D rows of k + 1 floats]},
+      "batched": {"4": {"candidates": [2, 4, 8, 12, 16], "quadratic": [...], "fixed": float,
+                        "curve": [W floats], "rate": float}},
+      "fit": {...}                                      # provenance, free-form
+    }
+
+``n_all[w0 - 1]`` is ``nbar_all(w0)`` and ``n_all_given[w0 - 1][n]`` is ``nbar_all(w0 | n)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .acceptance import FEATURES, AcceptanceModel, acceptance_model
+from .cost import padded_curve
+from .errors import InputError, describe
+from .selector import routing_correction, select_length, select_shared_length, stage0_length
+
+FORMAT = "hybridspec-policy"
+VERSION = 1
+
+
+def _finite(v: list[float]) -> list[float]:
+    for i, x in enumerate(v):
+        if not math.isfinite(x):
+            raise ValueError(f"entry {i} is {x!r}; values must be finite")
+    return v
+
+
+def _check_curve(curve: list[float], quadratic: tuple[float, float, float], fixed: float,
+                 draft_len: int, where: str) -> None:
+    w_max = draft_len + 1
+    if len(curve) != w_max:
+        raise ValueError(f"'{where}.curve' has {len(curve)} values but needs {w_max} "
+                         f"(C_tgt(w) for w = 1..{w_max}, draft_len {draft_len})")
+    c0, c1, c2 = quadratic
+    for w, got in enumerate(curve, start=1):
+        want = c0 + c1 * w + c2 * w * w - fixed
+        if abs(got - want) > 1e-6 * max(1.0, abs(want) + fixed):
+            raise ValueError(f"'{where}.curve[{w - 1}]' is {got} but '{where}.quadratic' minus "
+                             f"'{where}.fixed' gives {want} at w = {w}; the fields disagree")
+        if got + fixed <= 0:
+            raise ValueError(f"'{where}.curve[{w - 1}]' + fixed = {got + fixed} at w = {w}; "
+                             f"round times must be positive")
+
+
+class IsotonicMap(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    x: list[float] = Field(min_length=1)
+    y: list[float] = Field(min_length=1)
+
+    _fin = field_validator("x", "y")(_finite)
+
+    @model_validator(mode="after")
+    def _monotone(self) -> IsotonicMap:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"'x' has {len(self.x)} thresholds but 'y' has {len(self.y)}")
+        if any(b <= a for a, b in zip(self.x, self.x[1:])):
+            raise ValueError("'x' must be strictly increasing")
+        if any(b < a for a, b in zip(self.y, self.y[1:])) or not all(0 <= y <= 1 for y in self.y):
+            raise ValueError("'y' must be non-decreasing and lie in [0, 1]")
+        return self
+
+
+class AcceptanceParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    features: list[str]
+    entropy_eps: float = Field(gt=0)
+    isotonic: list[IsotonicMap]
+    coef: list[float]
+    intercept: float
+
+    _fin = field_validator("coef")(_finite)
+
+    @field_validator("features")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        if tuple(v) != FEATURES:
+            raise ValueError(f"must be {list(FEATURES)} for this build, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self) -> AcceptanceParams:
+        if len(self.coef) != len(FEATURES):
+            raise ValueError(f"'coef' has {len(self.coef)} weights but there are {len(FEATURES)} "
+                             f"features")
+        if not math.isfinite(self.intercept):
+            raise ValueError(f"'intercept' is {self.intercept}; it must be finite")
+        return self
+
+
+class CostParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    measured_lengths: list[int] = Field(min_length=3)
+    quadratic: tuple[float, float, float]
+    fixed: float = Field(ge=0)
+    curve: list[float]
+
+    _fin = field_validator("curve")(_finite)
+
+
+class BatchedParams(CostParams):
+    candidates: list[int] = Field(min_length=1)
+    rate: float = Field(gt=0)
+
+
+class RoutingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    s: float = Field(ge=0)
+    eta: float = Field(ge=0)
+    experts_per_token: int = Field(ge=1)
+    later_layers: bool
+    n_all: list[float]
+    n_all_given: list[list[float]]
+
+    _fin = field_validator("n_all")(_finite)
+
+
+class PolicyFile(BaseModel):
+    """Schema of the policy file; see the module docstring."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["hybridspec-policy"] = FORMAT
+    version: Literal[1] = VERSION
+    draft_len: int = Field(ge=1)
+    min_length: Literal[1, 2] = 2
+    time_unit: Literal["ms"] = "ms"
+    acceptance: AcceptanceParams
+    cost: CostParams
+    rate: float = Field(gt=0)
+    routing: RoutingParams | None = None
+    batched: dict[int, BatchedParams] = {}
+    fit: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PolicyFile:
+        d, w_max = self.draft_len, self.draft_len + 1
+        if len(self.acceptance.isotonic) != d:
+            raise ValueError(f"'acceptance.isotonic' has {len(self.acceptance.isotonic)} maps but "
+                             f"draft_len is {d}; one map per draft position is needed")
+        _check_curve(self.cost.curve, self.cost.quadratic, self.cost.fixed, d, "cost")
+        if r := self.routing:
+            if len(r.n_all) != d:
+                raise ValueError(f"'routing.n_all' has {len(r.n_all)} values but needs draft_len "
+                                 f"= {d} (one per w0 = 1..{d})")
+            if len(r.n_all_given) != d:
+                raise ValueError(f"'routing.n_all_given' has {len(r.n_all_given)} rows but needs "
+                                 f"draft_len = {d}")
+            for j, row in enumerate(r.n_all_given):
+                if len(row) != r.experts_per_token + 1 or not all(map(math.isfinite, row)):
+                    raise ValueError(f"'routing.n_all_given[{j}]' needs {r.experts_per_token + 1} "
+                                     f"finite values (n = 0..experts_per_token), got {row}")
+        for b, p in self.batched.items():
+            if b < 1:
+                raise ValueError(f"'batched' key {b} is not a batch size (>= 1)")
+            _check_curve(p.curve, p.quadratic, p.fixed, d, f"batched.{b}")
+            c = p.candidates
+            if c != sorted(set(c)) or not all(1 <= w <= w_max for w in c):
+                raise ValueError(f"'batched.{b}.candidates' is {c}; it must be increasing, "
+                                 f"without repeats, within 1..{w_max}")
+        return self
+
+
+def load_policy(path: str | Path) -> PolicyFile:
+    """Read and validate a policy file; raise :class:`InputError` naming the bad field."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"policy file '{path}' does not exist")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+                         ) from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise InputError(f"{path}: not a policy file (field 'format' must be '{FORMAT}')")
+    if obj.get("version") != VERSION:
+        raise InputError(f"{path}: field 'version' is {obj.get('version')!r}; this build reads "
+                         f"policy files of version {VERSION}")
+    try:
+        return PolicyFile.model_validate(obj)
+    except ValidationError as e:
+        raise describe(e, str(path)) from None
+
+
+def save_policy(policy: PolicyFile, path: str | Path) -> None:
+    Path(path).write_text(policy.model_dump_json(indent=1) + "\n")
+
+
+@dataclass
+class RoutingTables:
+    s: float
+    eta: float
+    n_all: torch.Tensor        # [D + 1] indexed by w0, entry 0 unused
+    n_all_given: torch.Tensor  # [D + 1, topk + 1]
+
+
+@dataclass
+class BatchedCost:
+    candidates: torch.Tensor   # [K] int64
+    cost: torch.Tensor         # [W + 2] C_B indexed by w
+    fixed: float
+    rate: float
+
+
+@dataclass
+class Policy:
+    """Fitted parameters as tensors on one device, and the per-round steps of Algorithm 1."""
+
+    draft_len: int
+    min_length: int
+    acceptance: AcceptanceModel
+    cost: torch.Tensor         # [W + 2] C_tgt indexed by w
+    fixed: float
+    rate: float
+    routing: RoutingTables | None
+    batched: dict[int, BatchedCost]
+
+    @classmethod
+    def from_params(cls, f: PolicyFile) -> Policy:
+        a = f.acceptance
+        routing = None
+        if f.routing is not None:
+            r = f.routing
+            routing = RoutingTables(
+                r.s, r.eta, torch.tensor([0.0] + r.n_all, dtype=torch.float64),
+                torch.tensor([[0.0] * (r.experts_per_token + 1)] + r.n_all_given,
+                             dtype=torch.float64))
+        return cls(
+            draft_len=f.draft_len, min_length=f.min_length,
+            acceptance=AcceptanceModel.from_params([(m.x, m.y) for m in a.isotonic], a.coef,
+                                                   a.intercept, a.entropy_eps),
+            cost=padded_curve(f.cost.curve), fixed=f.cost.fixed, rate=f.rate, routing=routing,
+            batched={b: BatchedCost(torch.tensor(p.candidates), padded_curve(p.curve), p.fixed,
+                                    p.rate) for b, p in f.batched.items()},
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, device=None, dtype=torch.float32) -> Policy:
+        return cls.from_params(load_policy(path)).to(device, dtype)
+
+    def to(self, device=None, dtype=None) -> Policy:
+        routing = self.routing and RoutingTables(
+            self.routing.s, self.routing.eta, self.routing.n_all.to(device, dtype),
+            self.routing.n_all_given.to(device, dtype))
+        return Policy(
+            self.draft_len, self.min_length, self.acceptance.to(device, dtype),
+            self.cost.to(device, dtype), self.fixed, self.rate, routing,
+            {b: BatchedCost(c.candidates.to(device), c.cost.to(device, dtype), c.fixed, c.rate)
+             for b, c in self.batched.items()})
+
+    def full_length(self, batch: int, device) -> torch.Tensor:
+        return torch.full((batch,), self.draft_len + 1, dtype=torch.int64, device=device)
+
+    def draft_side(self, conf: torch.Tensor, ent: torch.Tensor, w_rem: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Algorithm 1 lines 2-4.  conf, ent: [B, D]; w_rem: [B] int64 (default W).
+        Returns ``p`` [B, D], the nominal length ``w0`` [B] and the Stage-0 length ``u`` [B]."""
+        if w_rem is None:
+            w_rem = self.full_length(conf.shape[0], conf.device)
+        _, p = acceptance_model(conf, ent, self.acceptance)
+        w0 = select_length(p, self.cost, self.rate, self.min_length)
+        return p, w0, stage0_length(w0, w_rem)
+
+    def correct(self, p: torch.Tensor, w0: torch.Tensor, u: torch.Tensor, n_new: torch.Tensor,
+                w_rem: torch.Tensor | None = None) -> torch.Tensor:
+        """Algorithm 1 lines 6-11: the executed length ``w`` [B] from Stage 0's ``n_new`` [B]."""
+        if self.routing is None:
+            raise InputError("this policy file has no 'routing' section (the cost file gave no "
+                             "s and eta, or the records no Layer-0 expert counts)")
+        if w_rem is None:
+            w_rem = self.full_length(p.shape[0], p.device)
+        r = self.routing
+        return routing_correction(p, w0, u, n_new, w_rem, self.cost, self.rate, r.s, r.eta,
+                                  r.n_all, r.n_all_given)
+
+    def shared_length(self, p: torch.Tensor, w_rem: torch.Tensor | None = None,
+                      active: torch.Tensor | None = None) -> torch.Tensor:
+        """The batched variant: one length for the B requests of ``p`` [B, D] (0-d tensor)."""
+        b = p.shape[0]
+        if b not in self.batched:
+            raise InputError(f"no batched costs for batch size {b}; the policy has "
+                             f"{sorted(self.batched) or 'none'}")
+        c = self.batched[b]
+        return select_shared_length(p, c.candidates, c.cost, c.rate, w_rem, active)

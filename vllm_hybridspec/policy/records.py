@@ -1,0 +1,184 @@
+"""Round records: what a capture run logs, one speculative round per JSONL line.
+
+A capture run verifies all ``D`` draft tokens in every round (HybridSpec paper, "Calibration data"),
+so the number ``A_D`` of accepted draft tokens is never censored by a shorter verification, and any
+length ``w`` would have accepted ``min(A_D, w - 1)`` of them.  One line::
+
+    {"conf": [0.93, 0.88, ...], "ent": [0.31, 0.52, ...], "accepted": 6, "truncated": false,
+     "n_new_l0": [5, 3, ...], "n_new_later": [41, 30, ...], "remaining": 812}
+
+``conf``        D floats in [0, 1]: the drafter's top-1 probability of draft token ``d_i``.
+``ent``         D floats >= 0: the entropy (nats) of the drafter's distribution at ``d_i``.
+``accepted``    ``A_D``, an integer in 0..D: draft tokens the target accepted with all D verified.
+``truncated``   true when EOS or the output limit cut the round; such rounds train nothing.
+``n_new_l0``    optional, D integers >= 0: Layer-0 experts that ``d_i`` adds to those already
+                chosen by the anchor and ``d_1..d_{i-1}`` (``U_0(i+1) - U_0(i)``).
+``n_new_later`` optional, D integers >= 0: new (layer, expert) pairs ``d_i`` adds in layers 1..L-1.
+``remaining``   optional integer >= 1: output tokens still allowed when the round starts; the
+                executed length is capped at ``w_rem = clamp(remaining, 2, W)``.
+``p_true``      optional, D floats in [0, 1], non-increasing: the true prefix-acceptance
+                probabilities, known only for synthetic records (they give the simulator's oracle).
+``request``     optional integer: the request the round belongs to (informational).
+
+Every line must have the same D.  :func:`load_records` rejects a bad file with the line number and
+the field; :class:`Rounds` is the same data as tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from tqdm import tqdm
+
+from .errors import InputError, describe
+
+
+class RoundRecord(BaseModel):
+    """One capture-run round; the module docstring defines every field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    conf: list[float] = Field(min_length=1)
+    ent: list[float] = Field(min_length=1)
+    accepted: int = Field(ge=0)
+    truncated: bool = False
+    n_new_l0: list[int] | None = None
+    n_new_later: list[int] | None = None
+    remaining: int | None = Field(default=None, ge=1)
+    p_true: list[float] | None = None
+    request: int | None = None
+
+    @field_validator("conf", "p_true")
+    @classmethod
+    def _probabilities(cls, v: list[float] | None) -> list[float] | None:
+        for i, x in enumerate(v or ()):
+            if not 0.0 <= x <= 1.0:
+                raise ValueError(f"entry {i} is {x!r}; probabilities must lie in [0, 1]")
+        return v
+
+    @field_validator("ent")
+    @classmethod
+    def _entropies(cls, v: list[float]) -> list[float]:
+        for i, x in enumerate(v):
+            if not (math.isfinite(x) and x >= 0.0):
+                raise ValueError(f"entry {i} is {x!r}; entropies must be finite and >= 0")
+        return v
+
+    @field_validator("n_new_l0", "n_new_later")
+    @classmethod
+    def _counts(cls, v: list[int] | None) -> list[int] | None:
+        for i, x in enumerate(v or ()):
+            if x < 0:
+                raise ValueError(f"entry {i} is {x}; expert counts must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _same_length(self) -> RoundRecord:
+        d = len(self.conf)
+        for name in ("ent", "n_new_l0", "n_new_later", "p_true"):
+            v = getattr(self, name)
+            if v is not None and len(v) != d:
+                raise ValueError(f"field '{name}' has {len(v)} entries but 'conf' has {d}; "
+                                 f"every per-draft-token field needs one entry per draft token")
+        if self.accepted > d:
+            raise ValueError(f"field 'accepted' is {self.accepted} but only D = {d} draft tokens "
+                             f"were proposed; it must lie in 0..{d}")
+        if self.p_true is not None and any(b > a for a, b in zip(self.p_true, self.p_true[1:])):
+            raise ValueError("field 'p_true' must be non-increasing (p_i = P(A_D >= i))")
+        return self
+
+    @property
+    def draft_len(self) -> int:
+        return len(self.conf)
+
+
+def load_records(path: str | Path) -> list[RoundRecord]:
+    """Read and validate a JSONL records file; raise :class:`InputError` naming line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"records file '{path}' does not exist")
+    records: list[RoundRecord] = []
+    with path.open() as f:
+        for lineno, line in enumerate(tqdm(f, desc=f"reading {path.name}", unit=" rounds",
+                                           disable=None, leave=False), start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object with fields 'conf', 'ent', "
+                                 f"'accepted', got {type(obj).__name__}")
+            try:
+                rec = RoundRecord.model_validate(obj)
+            except ValidationError as e:
+                raise describe(e, where) from None
+            if records and rec.draft_len != records[0].draft_len:
+                raise InputError(f"{where}: field 'conf' has {rec.draft_len} entries but earlier "
+                                 f"rounds have D = {records[0].draft_len}; one file holds one D")
+            records.append(rec)
+    if not records:
+        raise InputError(f"records file '{path}' holds no rounds")
+    return records
+
+
+def save_records(records: list[RoundRecord], path: str | Path) -> None:
+    with Path(path).open("w") as f:
+        for r in records:
+            f.write(r.model_dump_json(exclude_none=True) + "\n")
+
+
+@dataclass
+class Rounds:
+    """Records as tensors (CPU, float64).  Optional per-token fields are filled with -1 (counts)
+    or NaN (``p_true``) on rounds that do not carry them."""
+
+    conf: torch.Tensor          # [N, D] f64
+    ent: torch.Tensor           # [N, D] f64
+    accepted: torch.Tensor      # [N] int64, A_D
+    truncated: torch.Tensor     # [N] bool
+    n_new_l0: torch.Tensor      # [N, D] int64, -1 where absent
+    n_new_later: torch.Tensor   # [N, D] int64, -1 where absent
+    remaining: torch.Tensor     # [N] int64, -1 where absent
+    p_true: torch.Tensor        # [N, D] f64, NaN where absent
+
+    @classmethod
+    def from_records(cls, records: list[RoundRecord]) -> Rounds:
+        d = records[0].draft_len
+
+        def col(name: str, fill, dtype) -> torch.Tensor:
+            rows = [getattr(r, name) if getattr(r, name) is not None else [fill] * d for r in records]
+            return torch.tensor(rows, dtype=dtype)
+
+        return cls(
+            conf=torch.tensor([r.conf for r in records], dtype=torch.float64),
+            ent=torch.tensor([r.ent for r in records], dtype=torch.float64),
+            accepted=torch.tensor([r.accepted for r in records], dtype=torch.int64),
+            truncated=torch.tensor([r.truncated for r in records], dtype=torch.bool),
+            n_new_l0=col("n_new_l0", -1, torch.int64),
+            n_new_later=col("n_new_later", -1, torch.int64),
+            remaining=torch.tensor([r.remaining if r.remaining is not None else -1 for r in records]),
+            p_true=col("p_true", float("nan"), torch.float64),
+        )
+
+    @property
+    def draft_len(self) -> int:
+        return self.conf.shape[1]
+
+    def __len__(self) -> int:
+        return self.conf.shape[0]
+
+    def select(self, mask: torch.Tensor) -> Rounds:
+        return Rounds(**{k: v[mask] for k, v in vars(self).items()})
+
+    def length_limit(self) -> torch.Tensor:
+        """``w_rem`` per round: ``clamp(remaining, 2, W)``, or ``W`` where no budget was logged."""
+        w = self.draft_len + 1
+        return torch.where(self.remaining > 0, self.remaining.clamp(2, w), w)
