@@ -1,0 +1,8 @@
+"""Reference models (issue 8), importable as ``vllm_hybridspec.train.reference``.
+
+A code corpus from the running interpreter's standard library (``corpus``), a byte-level BPE
+tokenizer trained on it (``tokenizer``), two small targets -- a Qwen3-Next GDN + MoE hybrid and a
+dense Qwen3 -- (``targets``) pretrained on it (``pretrain``), prompts for drafter training
+(``generate``), acceptance measurement and capture records outside vLLM (``evaluate``), and the whole
+pipeline (``pipeline``, ``hybridspec models``).
+"""

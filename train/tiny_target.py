@@ -1,0 +1,109 @@
+"""Tiny random-weight targets (a dense Qwen3 or a Qwen3-Next GDN + MoE hybrid) with a byte-level
+tokenizer, saved as ordinary transformers model directories, for CPU tests and examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TinyTarget(BaseModel):
+    """A random-weight target small enough to generate and capture on two CPU cores."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_type: Literal["qwen3", "qwen3_next"] = "qwen3"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    initializer_range: float = Field(default=0.02, description="std of the random weights")
+    # qwen3_next only: full attention every full_attention_interval-th layer, GDN elsewhere, MoE MLPs
+    full_attention_interval: int = 2
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    seed: int = 0
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) with ``<|endoftext|>`` (eos and pad),
+    ``<|mask|>``, ``<|im_start|>``/``<|im_end|>`` and a ChatML-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = BYTE_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_target_config(spec: TinyTarget, vocab_size: int):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+    )
+    if spec.model_type == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common)
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **common,
+        full_attention_interval=spec.full_attention_interval,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        shared_expert_intermediate_size=spec.intermediate_size // 2,
+        linear_num_key_heads=spec.num_key_value_heads,
+        linear_num_value_heads=spec.num_attention_heads,
+        linear_key_head_dim=spec.head_dim,
+        linear_value_head_dim=spec.head_dim,
+    )
+
+
+def build_tiny_target(spec: TinyTarget, out_dir: str | Path) -> Path:
+    """Write a random-weight target (config, ``model.safetensors``, tokenizer) to ``out_dir``;
+    deterministic in ``spec.seed``. Returns ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tokenizer = byte_tokenizer()
+    vocab_size = (len(tokenizer) + 7) // 8 * 8
+    config = tiny_target_config(spec, vocab_size)
+    config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
