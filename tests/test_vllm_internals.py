@@ -3,8 +3,8 @@
 import importlib.metadata
 
 import torch
-
 from vllm_hybridspec.kernels.gdn import VerifyFactors, gdn_commit, gdn_verify
+
 from vllm_hybridspec.vllm_internals import (
     FUSED_SIGMOID_GATING_FILE,
     SUPPORTED_VLLM,
@@ -65,3 +65,61 @@ def test_our_verify_and_commit_equal_vllm_per_token_state_path():
     for n in range(N):
         vllm_state = vllm_pool[int(spec_idx[n, commits[n] - 1])]
         assert rel_err(ours_pool[int(slots[n])], vllm_state) < 1e-5, n
+
+
+# --- the H-Spec plugin's patches (vllm_hybridspec/plugin.py) ------------------------------------------
+
+
+def test_symbols_the_hspec_plugin_patches_keep_their_shape():
+    import inspect as _inspect
+
+    from vllm.config.vllm import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils.configs.speculators import algos
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_hybridspec.vllm_internals import vllm_speculative_methods
+
+    create = getattr(EngineArgs.create_speculative_config, "__wrapped__", EngineArgs.create_speculative_config)
+    assert list(_inspect.signature(create).parameters) == ["self", "target_model_config", "target_parallel_config"]
+    assert issubclass(gpu_model_runner.DFlashProposer, DFlashProposer)  # the runner's name we replace
+    runner_source = _inspect.getsource(gpu_model_runner.GPUModelRunner.__init__)
+    assert "self.drafter = DFlashProposer(self.vllm_config, self.device, self)" in runner_source
+    assert "hspec" not in vllm_speculative_methods() and "dflash" in vllm_speculative_methods()
+    assert callable(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert callable(algos.register_speculator) and isinstance(algos.SUPPORTED_SPECULATORS_TYPES, dict)
+    # what the runner passes to a DFlash proposer's propose (HSpecProposer.propose takes the same)
+    assert list(_inspect.signature(SpecDecodeBaseProposer.propose).parameters)[1:] == [
+        "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+        "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+        "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings"]
+
+
+def test_paged_kv_views_read_what_the_cpu_backend_writes():
+    """K/V written by vLLM's own CPU cache op come back through our views, for both CPU layouts."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_hybridspec.vllm_internals import paged_kv_views
+
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for dtype, block_size, head in ((torch.float32, 128, 32), (torch.float32, 16, 32), (torch.bfloat16, 32, 64)):
+        isa = _get_attn_isa(dtype, block_size, head)
+        if isa not in ("vec", "vec16"):
+            continue  # AMX machines: not decoded (paged_kv_views raises)
+        heads, num_blocks, T = 2, 4, 2 * block_size + 3
+        kv_cache = torch.zeros(num_blocks, heads, block_size, 2 * head, dtype=dtype)
+        keys, values = paged_kv_views(kv_cache, "CPU_ATTN", head, isa)
+        k = torch.randn(T, heads, head, generator=gen).to(dtype)
+        v = torch.randn(T, heads, head, generator=gen).to(dtype)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+        ops.cpu_attn_reshape_and_cache(k, v, *kv_cache.view(num_blocks, heads, 2 * block_size, head).chunk(2, dim=2),
+                                       slots, isa)
+        blocks, offsets = slots // block_size, slots % block_size
+        assert torch.equal(keys[blocks, :, offsets], k), (dtype, block_size, isa)
+        assert torch.equal(values[blocks, :, offsets], v), (dtype, block_size, isa)
+        checked += 1
+    assert checked, "no CPU cache layout was checked on this machine"

@@ -1,0 +1,211 @@
+"""The H-Spec drafter as a vLLM model (architecture ``HSpecDraftModel``).
+
+The layers are the drafter package's own torch modules (``HSpecLayer``, ``StateInjection``, RoPE, the
+DSpark Markov head), so the vLLM drafter computes exactly what training computed. What vLLM adds:
+
+* one ``vllm.attention.Attention`` per drafter attention layer, created with
+  ``kv_sharing_target_layer_name`` = the target layer it reads. vLLM then allocates no KV cache for
+  it and binds the target layer's cache tensor to it (``layer.kv_cache``); the drafter only reads
+  that tensor (``gather_prefix_kv``) and never calls the layer, so nothing is ever written to it.
+* the target's embedding and LM head, bound by the proposer after loading (never copied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from speculators.models.dspark.model_definitions import MarkovHead
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.utils import extract_layer_index
+
+from vllm_hybridspec.drafter.attention import RotaryEmbedding, request_block_mask
+from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
+from vllm_hybridspec.drafter.model import DraftBlock, HSpecLayer, StateInjection
+from vllm_hybridspec.vllm_internals import paged_kv_views
+
+
+def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
+    """Target decoder-layer index -> name of its full-attention ``Attention`` layer (no sliding
+    window, own KV cache)."""
+    layers = {}
+    for name, module in static_forward_context.items():
+        if (
+            isinstance(module, Attention)
+            and module.sliding_window is None
+            and module.kv_sharing_target_layer_name is None
+        ):
+            layers[extract_layer_index(name)] = name
+    return layers
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``cache`` ``[num_blocks, kv_heads, block_size, D]``, ``blocks`` ``[N, n_blocks]`` ->
+    ``[N, kv_heads, capacity, D]``."""
+    x = cache[blocks]  # [N, n_blocks, kv_heads, block_size, D]
+    N, n_blocks, heads, block_size, _ = x.shape
+    return x.transpose(1, 2).reshape(N, heads, n_blocks * block_size, -1)[:, :, :capacity]
+
+
+class HSpecForVLLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf_config = vllm_config.speculative_config.draft_model_config.hf_config
+        self.config = config = HSpecSpeculatorConfig.model_validate(hf_config.hspec_config)
+        tl = config.transformer_layer_config
+        g = config.attention_geometry
+        n_attn = len(config.kv_reuse_layer_ids)
+        self.layers = nn.ModuleList([HSpecLayer(config, with_attention=i < n_attn) for i in range(config.num_layers)])
+        self.state_injection = StateInjection(
+            len(config.aux_hidden_state_layer_ids) * tl.hidden_size,
+            config.fusion_rank or tl.hidden_size,
+            self.layers[0].mamba.state_shape,
+            tl.rms_norm_eps,
+        )
+        self.rotary_emb = RotaryEmbedding(g.head_dim, g.rope_theta, g.partial_rotary_factor)
+        self.norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps)
+        vocab = tl.vocab_size
+        self.markov_head = (
+            MarkovHead(verifier_vocab_size=vocab, draft_vocab_size=vocab, markov_rank=config.markov_rank,
+                       hidden_size=tl.hidden_size)
+            if config.markov_rank > 0
+            else None
+        )
+
+        # KV sharing: one vLLM Attention per drafter attention layer, on the target layer's cache
+        context = vllm_config.compilation_config.static_forward_context
+        targets = target_attention_layers(context)
+        missing = [i for i in config.kv_reuse_layer_ids if i not in targets]
+        if missing:
+            raise ValueError(
+                f"kv_reuse_layer_ids {config.kv_reuse_layer_ids}: target layers {missing} have no "
+                f"full-attention KV cache in vLLM; the target's are {sorted(targets)}"
+            )
+        self.target_layer_names = [targets[i] for i in config.kv_reuse_layer_ids]
+        first_free = vllm_config.model_config.hf_text_config.num_hidden_layers
+        self.kv_readers = nn.ModuleList()
+        for i, target_name in enumerate(self.target_layer_names):
+            target = context[target_name]
+            if (target.num_kv_heads, target.head_size) != (g.num_key_value_heads, g.head_dim):
+                raise ValueError(
+                    f"drafter attention layer {i} reads {target_name} with {target.num_kv_heads} KV "
+                    f"heads of size {target.head_size} (per rank), but the drafter has "
+                    f"{g.num_key_value_heads} of size {g.head_dim}; tensor parallelism is not supported yet"
+                )
+            self.kv_readers.append(
+                Attention(
+                    num_heads=target.num_heads,
+                    head_size=target.head_size,
+                    scale=g.head_dim**-0.5,
+                    num_kv_heads=target.num_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    prefix=f"hspec_draft.layers.{first_free + i}.attn",
+                    kv_sharing_target_layer_name=target_name,
+                )
+            )
+        # the target's, bound by HSpecProposer.load_model
+        self.embed_tokens: nn.Module | None = None
+        self.target_compute_logits = None
+
+    # --- vLLM model interface (the proposer drives the drafter through `draft`) -----------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.target_compute_logits(hidden_states)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("HSpecForVLLM is driven by HSpecProposer.propose through draft()")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith(("verifier_", "embed_tokens.", "lm_head.")) or name in ("t2d", "d2t"):
+                continue  # the target's, shared at load time
+            if name not in params:
+                raise ValueError(f"H-Spec checkpoint weight {name!r} has no counterpart in the vLLM drafter")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"H-Spec checkpoint weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(params[name].shape)}"
+                )
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    # --- drafting --------------------------------------------------------------------------------------
+
+    def gather_prefix_kv(
+        self, block_table: torch.Tensor, capacity: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per drafter attention layer, the target's cached K/V of slots ``[0, capacity)`` of each
+        request, ``[N, kv_heads, capacity, head_dim]`` each, read through ``block_table`` ``[N, >=
+        ceil(capacity / block_size)]``. A transient read; nothing is kept or written."""
+        out = []
+        N = block_table.shape[0]
+        for reader in self.kv_readers:
+            kv_cache = reader.kv_cache
+            if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:  # profiling: no cache yet
+                g = self.config.attention_geometry
+                empty = torch.zeros(N, g.num_key_value_heads, capacity, g.head_dim,
+                                    dtype=self.norm.weight.dtype, device=block_table.device)
+                out.append((empty, empty))
+                continue
+            k_cache, v_cache = paged_kv_views(
+                kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None)
+            )
+            blocks = block_table[:, : -(-capacity // k_cache.shape[2])].long()  # [N, n_blocks]
+            out.append((_gather_blocks(k_cache, blocks, capacity), _gather_blocks(v_cache, blocks, capacity)))
+        return out
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        last_hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        prefix_lens: torch.Tensor,
+        num_draft: int,
+    ) -> DraftBlock:
+        """One block per request (``HSpecDraftModel.propose`` with vLLM's embedding and LM head):
+        ``last_hidden`` ``[N, n_sel * hidden]``, ``anchor_ids`` ``[N]``, ``prefix_lens`` ``[N]``;
+        drafts ``num_draft <= block_size - 1`` tokens."""
+        N, L = anchor_ids.shape[0], num_draft + 1
+        device = anchor_ids.device
+        capacity = prefix_kv[0][0].shape[2] if prefix_kv else 0
+        positions = prefix_lens[:, None].long() + torch.arange(L, device=device)  # [N, L]
+        block_ids = torch.full((N, L), self.config.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = anchor_ids
+        mask = request_block_mask(prefix_lens.long(), capacity, L, self.config.sliding_window)
+        state = self.state_injection(last_hidden)  # [N, H, P, S] fp32
+        hidden = self.embed_tokens(block_ids)  # [N, L, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        kv = iter(prefix_kv)
+        for layer in self.layers:
+            hidden = layer(hidden, state, cos, sin, next(kv) if layer.self_attn is not None else None, mask)
+        return self.draft_heads(hidden, anchor_ids)
+
+    def draft_heads(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> DraftBlock:
+        """``HSpecDraftModel.draft_heads`` with the target's LM head: greedy tokens, top-1 probability
+        and entropy per draft position, fp32, all on device."""
+        N, L, d = hidden.shape
+        logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).float().view(N, L - 1, -1)
+        prev = anchor_ids
+        tokens, top1, entropy = [], [], []
+        for k in range(L - 1):
+            step = logits[:, k]
+            if self.markov_head is not None:
+                step = step + self.markov_head.markov_w2(self.markov_head.prev_embeddings(prev)).float()
+            logp = torch.log_softmax(step, dim=-1)
+            best = logp.argmax(dim=-1)
+            top1.append(logp.gather(-1, best[:, None]).squeeze(-1).exp())
+            entropy.append(-(logp.exp() * logp).sum(-1))
+            prev = best
+            tokens.append(best)
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(top1, 1), torch.stack(entropy, 1))

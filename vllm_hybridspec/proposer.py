@@ -1,0 +1,114 @@
+"""The H-Spec proposer inside vLLM 0.26's V1 model runner.
+
+Inside vLLM an H-Spec draft runs as method "dflash" (see ``spec_config.py``), so the runner already
+does what H-Spec needs: it asks the target for the inputs of the drafter's selected layers
+(auxiliary hidden states), allots the block's parallel-drafting slots, handles rejected tokens with
+the padded drafter batch, and calls ``propose`` with the target's hidden states and attention
+metadata. ``HSpecProposer`` replaces what differs from DFlash:
+
+* no context K/V is projected or stored: the Mamba initial state comes from the last accepted
+  token's auxiliary hidden states, and attention reads the target's own paged cache;
+* one forward drafts the whole block (``HSpecForVLLM.draft``), then the Markov head picks the
+  tokens position by position;
+* each round's per-token top-1 probability and entropy stay on device in ``last_draft`` (rows in
+  the runner's input-batch order) for the length policy.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.spec_config import is_hspec_speculative_config
+
+
+class RunnerDFlashProposer(DFlashProposer):
+    """What ``vllm.v1.worker.gpu_model_runner`` constructs as ``DFlashProposer`` once the plugin is
+    loaded: vLLM's DFlash proposer, or ``HSpecProposer`` when the draft is an H-Spec checkpoint."""
+
+    def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
+        hspec = cls is RunnerDFlashProposer and is_hspec_speculative_config(vllm_config.speculative_config)
+        return object.__new__(HSpecProposer if hspec else cls)
+
+
+class HSpecProposer(RunnerDFlashProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.last_draft: DraftBlock | None = None  # [num_reqs, K] tokens, top1_prob, entropy
+
+    # --- loading ---------------------------------------------------------------------------------------
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"the H-Spec drafter reads the target's KV cache as model-dtype K/V; kv_cache_dtype="
+                f"{cache_dtype!r} is not supported yet (use 'auto')"
+            )
+        super().load_model(target_model)
+
+    def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
+        self.model.embed_tokens = target_language_model.model.embed_tokens
+
+    def _maybe_share_lm_head(self, target_language_model: torch.nn.Module) -> None:
+        self.model.target_compute_logits = target_language_model.compute_logits
+
+    # --- drafting --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,  # [num_tokens, n_selected * hidden], the selected layers' inputs
+        next_token_ids: torch.Tensor,  # [num_reqs], the anchors (the target's bonus tokens)
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        cad = common_attn_metadata
+        N = cad.batch_size()
+        self.num_speculative_tokens = num_speculative_tokens
+        if num_speculative_tokens == 0:
+            self.last_draft = None
+            return torch.empty(N, 0, dtype=torch.int64, device=self.device)
+        # the last accepted token of each request and the length of its cached prefix; in the padded
+        # drafter batch the rejected drafts are still counted in query_start_loc and seq_lens
+        last = cad.query_start_loc[1 : N + 1] - 1  # [N]
+        prefix_lens = cad.seq_lens[:N]  # [N]
+        if num_rejected_tokens_gpu is not None:
+            last = last - num_rejected_tokens_gpu[:N]
+            prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
+        last_hidden = target_hidden_states[last.long()]  # [N, n_selected * hidden]
+        prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
+        block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
+        self.last_draft = block
+        return block.tokens
+
+    @torch.inference_mode()
+    def dummy_run(
+        self,
+        num_tokens: int,
+        use_cudagraphs: bool = True,
+        is_graph_capturing: bool = False,
+        slot_mappings: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """A drafting round of ``num_tokens // (K + 1)`` one-token requests, for memory profiling and
+        warm-up. The drafter runs eagerly, so there is nothing to capture."""
+        if is_graph_capturing:
+            return
+        K = self.num_speculative_tokens
+        N = max(1, min(self.max_batch_size, num_tokens // (K + 1)))
+        n_selected = len(self.model.config.aux_hidden_state_layer_ids)
+        last_hidden = torch.zeros(N, n_selected * self.hidden_size, dtype=self.dtype, device=self.device)
+        anchors = torch.zeros(N, dtype=torch.long, device=self.device)
+        prefix_lens = torch.ones(N, dtype=torch.int32, device=self.device)
+        block_table = torch.zeros(N, 1, dtype=torch.int32, device=self.device)
+        prefix_kv = self.model.gather_prefix_kv(block_table, 1)
+        self.model.draft(last_hidden, anchors, prefix_kv, prefix_lens, K)
