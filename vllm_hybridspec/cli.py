@@ -6,6 +6,7 @@ import typer
 
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.train.cli import train
+from vllm_hybridspec.train.reference.cli import models
 
 app = typer.Typer(
     name="hybridspec",
@@ -38,6 +39,7 @@ def demo(
 app.add_typer(calibrate_app, name="calibrate")
 app.command("simulate")(simulate_command)
 app.command("train")(train)
+app.command("models")(models)
 
 
 def main() -> None:  # pragma: no cover - console entry point

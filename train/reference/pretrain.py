@@ -117,8 +117,8 @@ def pretrain(model, train_tokens: torch.Tensor, heldout_tokens: torch.Tensor, sp
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip)
         opt.step()
         steps_done = step + 1
-        curve.append({"step": steps_done, "loss": float(loss), "lr": opt.param_groups[0]["lr"]})
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        curve.append({"step": steps_done, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"]})
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         elapsed = time.perf_counter() - start
         out_of_time = spec.max_minutes is not None and elapsed > 60 * spec.max_minutes
         if steps_done % spec.eval_every == 0 or steps_done == spec.steps or out_of_time:

@@ -75,7 +75,9 @@ def target_config(size: TargetSize, vocab_size: int, eos_token_id: int):
         )
     return Qwen3NextConfig(
         **common,
-        intermediate_size=size.shared_expert_intermediate_size,
+        # unused by a model whose every layer is MoE; drafters built from this config (H-Spec's and
+        # speculators' DFlash) take their dense MLP width from it: 3 x hidden, the usual MoE fallback
+        intermediate_size=3 * size.hidden_size,
         full_attention_interval=size.full_attention_interval,
         num_experts=size.num_experts,
         num_experts_per_tok=size.num_experts_per_tok,

@@ -1,0 +1,86 @@
+"""Acceptance arithmetic on hand-made cases, bootstrap intervals, and capture records that the
+policy's loader accepts."""
+
+from __future__ import annotations
+
+import torch
+from vllm_hybridspec.policy.records import Rounds, load_records, save_records
+from vllm_hybridspec.train.reference.evaluate import (
+    accepted_length,
+    bootstrap_ci,
+    position_acceptance,
+    rounds_from_drafts,
+    summarize,
+    to_records,
+    walk_rounds,
+)
+
+
+def test_accepted_length_counts_leading_matches():
+    truth = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, -1, -1]])
+    draft = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [1, 6, 7, 8], [5, 6, 7, 8]])
+    assert accepted_length(draft, truth).tolist() == [4, 1, 0, 2]
+
+
+def test_walk_rounds():
+    assert walk_rounds([2, 0, 0, 1, 0, 0, 3]) == [0, 3, 5, 6]
+    assert walk_rounds([0] * 4) == [0, 1, 2, 3]
+    assert walk_rounds([7, 0, 0]) == [0]
+
+
+def test_rounds_from_drafts_hand_made():
+    # response r0..r9 = 10..19; D = 3; the drafter is right twice from offset 0, never from 3, ...
+    D, R = 3, 10
+    truth = torch.cat([torch.arange(10, 20), torch.full((D,), -1)])
+    idx = torch.arange(R)[:, None] + torch.arange(1, D + 1)
+    draft = truth[idx].clone()  # perfect drafts, then spoil some
+    draft[0, 2] = 0  # offset 0 accepts 2 -> next round at 3
+    draft[3, 0] = 0  # offset 3 accepts 0 -> next at 4
+    # offset 4 accepts 3 -> next at 8; offset 8 reaches past the response (truncated)
+    conf = torch.rand(R, D)
+    ent = torch.rand(R, D)
+    rounds = rounds_from_drafts(7, draft, conf, ent, truth, max_new_tokens=10)
+    assert [r.accepted for r in rounds] == [2, 0, 3, 1]
+    assert [r.truncated for r in rounds] == [False, False, False, True]
+    assert [r.remaining for r in rounds] == [10, 7, 6, 2]
+    assert rounds[2].conf == conf[4].tolist() and rounds[0].prompt == 7
+    s = summarize(rounds, D, n_bootstrap=50)
+    assert s["rounds"] == 3 and abs(s["tau"] - (1 + 5 / 3)) < 1e-12
+    assert s["alpha"] == [2 / 3, 2 / 3, 1 / 3]
+
+
+def test_position_acceptance_and_bootstrap():
+    D = 7
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    # geometric acceptance with per-token rate 0.7, 40 prompts x 25 rounds
+    accepted = torch.distributions.Geometric(probs=torch.tensor(0.3)).sample((1000,)).long().clamp(max=D)
+    prompt_ids = torch.arange(40).repeat_interleave(25)
+    alpha = position_acceptance(accepted, D)
+    assert torch.all(alpha[1:] <= alpha[:-1])
+    expected = torch.tensor([0.7**k for k in range(1, D + 1)], dtype=torch.float64)
+    assert torch.allclose(alpha, expected, atol=0.06)
+    r = bootstrap_ci(accepted, prompt_ids, D, n=500, seed=int(torch.randint(0, 100, (), generator=g)))
+    assert r["tau_ci95"][0] < r["tau"] < r["tau_ci95"][1]
+    assert abs(r["tau"] - (1 + accepted.double().mean())) < 1e-12
+    assert r["tau_ci95"][1] - r["tau_ci95"][0] < 0.5
+    for a, (lo, hi) in zip(r["alpha"], r["alpha_ci95"]):
+        assert lo <= a <= hi
+    # one prompt only: every resample is the same
+    one = bootstrap_ci(accepted[:25], torch.zeros(25, dtype=torch.long), D, n=100)
+    assert one["tau_ci95"][0] == one["tau_ci95"][1] == one["tau"]
+
+
+def test_records_validate_with_the_policy_loader(tmp_path):
+    D, R = 7, 30
+    truth = torch.cat([torch.randint(2, 100, (R,)), torch.full((D,), -1)])
+    idx = torch.arange(R)[:, None] + torch.arange(1, D + 1)
+    draft = torch.where(torch.rand(R, D) < 0.8, truth[idx], torch.tensor(0))
+    logits = torch.randn(R, D, 50)
+    p = logits.softmax(-1)
+    rounds = rounds_from_drafts(0, draft, p.max(-1).values, -(p * p.log()).sum(-1), truth, R)
+    save_records(to_records(rounds), tmp_path / "records.jsonl")
+    loaded = load_records(tmp_path / "records.jsonl")
+    assert [r.accepted for r in loaded] == [r.accepted for r in rounds]
+    t = Rounds.from_records(loaded)
+    assert t.draft_len == D and bool(t.truncated[-1]) and not bool(t.truncated[0])
+    assert torch.allclose(t.conf, torch.tensor([r.conf for r in rounds], dtype=torch.float64))

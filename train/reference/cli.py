@@ -1,0 +1,35 @@
+"""``hybridspec models``: registered on the ``hybridspec`` typer app in ``vllm_hybridspec/cli.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+STAGES = ("corpus", "targets", "prompts", "drafters", "evaluate")
+
+
+def models(
+    out_dir: Path = typer.Option(Path("models"), help="Where the committed models go"),
+    work_dir: Path = typer.Option(Path("out/models-work"), help="Captured data and optimizer checkpoints"),
+    stage: list[str] = typer.Option(list(STAGES), help=f"Stages to run, in order: {', '.join(STAGES)}"),
+    steps: int = typer.Option(2000, help="Pretraining steps per target"),
+    max_minutes: float = typer.Option(None, help="Stop each target's pretraining after this long"),
+    force: bool = typer.Option(False, help="Redo stages whose outputs exist"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build the reference models from scratch: corpus, tokenizer, hybrid and dense targets, H-Spec and
+    DFlash drafters for each, acceptance on held-out prompts and capture records (see train/reference/pipeline.py)."""
+    from vllm_hybridspec.train.reference.pipeline import BuildSpec, build_all
+    from vllm_hybridspec.train.reference.pretrain import PretrainSpec
+
+    bad = [s for s in stage if s not in STAGES]
+    if bad:
+        raise typer.BadParameter(f"unknown stage(s) {bad}; valid stages are {', '.join(STAGES)}")
+    spec = BuildSpec(
+        out_dir=str(out_dir),
+        work_dir=str(work_dir),
+        seed=seed,
+        pretrain=PretrainSpec(steps=steps, max_minutes=max_minutes, seed=seed),
+    )
+    build_all(spec, [s for s in STAGES if s in stage], force)
