@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hybridspec-installed
 
-.PHONY: install test demo bench-gdn clean
+.PHONY: install test demo models bench-gdn clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ test: install
 
 demo: install
 	$(VENV)/bin/hybridspec demo
+
+# The reference models from scratch (hours on a CPU; minutes on a GPU): see train/reference/.
+models: install
+	$(VENV)/bin/hybridspec models --out-dir models --work-dir out/models-work
 
 # GPU only: GDN verify + commit against vLLM 0.26's spec-decode path and fla (see docs/benchmarks).
 bench-gdn:
