@@ -373,6 +373,11 @@ def main(argv=None) -> int:
                 ours.round()
                 t_round = median_time_ms(graph_of(ours.round), args.samples)
                 t_verify = median_time_ms(graph_of(ours.verify), args.samples)
+                # the same round with fp32-accurate products (what fp32 inputs get)
+                exact = Ours(r, m, dict(vcfg, precision="tf32x3", BK=64), ccfg)
+                exact.round()
+                t_exact = median_time_ms(graph_of(exact.round), args.samples)
+                del exact
                 t_commit = median_time_ms(graph_of(ours.commit), args.samples)
                 t_vllm = t_vllm_copy = nan
                 if not args.ours_only:
@@ -383,7 +388,7 @@ def main(argv=None) -> int:
                     vlc.round()
                     t_vllm_copy = median_time_ms(graph_of(vlc.round), args.samples)
                     del vl, vlc
-                row = dict(w=w, B=B, m=m, ours=t_round[0], ours_iqr=t_round[1],
+                row = dict(w=w, B=B, m=m, ours=t_round[0], ours_iqr=t_round[1], ours_tf32x3=t_exact[0],
                            ours_verify=t_verify[0], ours_commit=t_commit[0],
                            vllm=t_vllm[0], vllm_iqr=t_vllm[1], vllm_copy=t_vllm_copy[0],
                            fla=fla_ms[0] if fla_ms else None,
@@ -432,7 +437,9 @@ def render_markdown(meta, accuracy, results) -> str:
         "(verify) plus read S0 and write S_m once (commit) at that bandwidth.",
         "",
         "- ours: `gdn_verify` per layer (all w tokens in parallel, no per-token state) + one `gdn_commit` "
-        "for all layers; launch configuration: "
+        "for all layers, with the default `precision=\"auto\"` (tf32 products for these bf16 inputs); "
+        "'ours, tf32x3' is the same round with fp32-accurate products, what fp32 inputs get; "
+        "launch configuration: "
         + (f"chosen in the same run: verify `{meta['verify_config']}`, commit `{meta['commit_config']}`."
            if meta["verify_config"] else "the library defaults (chosen by earlier `--ours-only` tuning "
            "runs, see gdn_kernels_tuning.log)."),
@@ -443,14 +450,14 @@ def render_markdown(meta, accuracy, results) -> str:
         "- fla: `chunk_gated_delta_rule` (fla-core 0.6.0), output + final state only (it cannot roll back "
         "to m < w), gates precomputed outside the graph.",
         "",
-        "| w | B | m | ours | verify | commit | vLLM | vLLM+copy | fla | floor | ours vs vLLM | ours / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| w | B | m | ours | verify | commit | ours, tf32x3 | vLLM | vLLM+copy | fla | floor | ours vs vLLM | ours / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fla = "-" if r["fla"] is None else f"{r['fla']:.4f}"
         lines.append(
             f"| {r['w']} | {r['B']} | {r['m']} | {r['ours']:.4f} | {r['ours_verify']:.4f} | "
-            f"{r['ours_commit']:.4f} | {r['vllm']:.4f} | {r['vllm_copy']:.4f} | {fla} | {r['floor']:.4f} | "
+            f"{r['ours_commit']:.4f} | {r.get('ours_tf32x3', float('nan')):.4f} | {r['vllm']:.4f} | {r['vllm_copy']:.4f} | {fla} | {r['floor']:.4f} | "
             f"{r['speedup_vs_vllm']:.2f}x | {r['x_floor']:.2f}x |")
     lines += ["", "Accuracy, checked before timing (largest relative Frobenius error over two rounds that "
               "commit w then ceil(w/2) and the reverse; layer 0):", "",

@@ -223,7 +223,7 @@ def gdn_verify(
     scale: float | None = None, use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
-    BV: int = 64, BK: int = 64, num_warps: int = 4, precision: str = "tf32x3",
+    BV: int = 64, BK: int | None = None, num_warps: int = 4, precision: str = "auto",
     series_from: int = MAX_VERIFY_LEN + 1,
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
@@ -241,8 +241,12 @@ def gdn_verify(
         max_len: the compile-time round length ``U`` (1..16).
         out, factors: optional preallocated outputs (for CUDA graphs).
         BV, BK, num_warps, precision: launch tuning (value rows per program, key chunk, warps, ``tl.dot``
-            input precision: "tf32x3", about fp32 accuracy on tensor cores, or "ieee"); the
-            defaults were the fastest on the H200 (docs/benchmarks/gdn_kernels.md).
+            input precision: "tf32x3", about fp32 accuracy on tensor cores; "tf32", one pass;
+            "ieee"; or "auto": "tf32x3" for fp32 inputs and "tf32" for bf16/fp16 inputs, whose
+            errors then stay within bf16's own (measured on the H200: 2e-3 relative for outputs,
+            4e-4 for states, against 1.7e-3 from rounding the output to bf16 alone).  ``BK``
+            defaults to 128 with "tf32" and 64 otherwise; these defaults were the fastest on the
+            H200 (docs/benchmarks/gdn_kernels.md).
             ``series_from``: the round length from which the triangular inverse uses the product
             series instead of substitution (substitution measured faster at every length).
     Returns:
@@ -261,6 +265,10 @@ def gdn_verify(
         out = torch.empty_like(v)
     if factors is None:
         factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
+    if precision == "auto":
+        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    if BK is None:
+        BK = 128 if precision == "tf32" else 64
     BV = min(BV, triton.next_power_of_2(V))
     BK = min(BK, K)
     grid = (triton.cdiv(V, BV), N * HV)
