@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from vllm_hybridspec.bench.cli import bench, report
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
@@ -40,6 +41,8 @@ app.add_typer(calibrate_app, name="calibrate")
 app.command("simulate")(simulate_command)
 app.command("train")(train)
 app.command("models")(models)
+app.command("bench")(bench)
+app.command("report")(report)
 
 
 def main() -> None:  # pragma: no cover - console entry point

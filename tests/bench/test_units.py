@@ -1,0 +1,81 @@
+"""The benchmark's parsing and statistics, without a server."""
+
+import json
+
+import pytest
+
+from vllm_hybridspec.bench.client import RequestResult
+from vllm_hybridspec.bench.loadgen import level_stats
+from vllm_hybridspec.bench.metrics import parse_metrics, spec_decode_delta
+from vllm_hybridspec.bench.prompts import load_prompts
+from vllm_hybridspec.bench.report import write_report
+from vllm_hybridspec.bench.server import url_from_command
+
+METRICS = """\
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0
+"""
+
+
+def test_metrics_deltas():
+    before = parse_metrics(METRICS)
+    assert before["vllm:kv_cache_usage_perc"] == pytest.approx(0.75)  # summed over engines
+    after = {**before, "vllm:spec_decode_num_drafts_total": 14.0,
+             "vllm:spec_decode_num_draft_tokens_total": 42.0, "vllm:spec_decode_num_accepted_tokens_total": 29.0}
+    delta = spec_decode_delta(before, after)
+    assert delta["mean_acceptance_length"] == pytest.approx(1 + 9 / 4)
+    assert delta["acceptance_rate"] == pytest.approx(9 / 12)
+    no_spec = parse_metrics(METRICS.split("# TYPE vllm:spec")[0])
+    assert spec_decode_delta(no_spec, no_spec)["mean_acceptance_length"] is None
+
+
+def test_level_stats_counts_failures_and_per_token_itl():
+    ok = RequestResult(ok=True, start=0.0, end=1.0, output_tokens=5, ttft=0.2, itl=[0.2] * 4)
+    bad = RequestResult(error="HTTP 500: boom", start=0.0, end=0.1)
+    lv = level_stats(4, 10, [ok, ok, bad], duration=2.0)
+    assert (lv["completed"], lv["failed"], lv["not_sent"]) == (2, 1, 7)
+    assert lv["errors"] == {"HTTP 500: boom": 1}
+    assert lv["output_throughput"] == pytest.approx(5.0)
+    assert lv["tpot_s"]["mean"] == pytest.approx(0.2)
+    assert lv["e2e_s"]["p99"] == pytest.approx(1.0)
+
+
+def test_url_from_command():
+    assert url_from_command("vllm serve m --port 9001", "x") == "http://127.0.0.1:9001"
+    assert url_from_command("vllm serve m --host=127.0.0.2", "x") == "http://127.0.0.2:8000"
+    assert url_from_command("vllm serve m", "http://127.0.0.1:8000") == "http://127.0.0.1:8000"
+
+
+def test_prompts_and_errors(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n[1, 2, 3]\n"bare"\n')
+    assert load_prompts(path) == ["hi", [1, 2, 3], "bare"]
+    path.write_text('{"text": "hi"}\n')
+    with pytest.raises(ValueError, match="no field 'prompt'"):
+        load_prompts(path)
+    with pytest.raises(ValueError, match="exactly one"):
+        load_prompts()
+
+
+def test_report_of_a_synthetic_result(tmp_path):
+    def level(c, tps):
+        s = {"mean": 0.01, "p50": 0.01, "p99": 0.02}
+        return {"concurrency": c, "num_requests": 8, "completed": 8, "failed": 0, "not_sent": 0,
+                "output_throughput": tps, "request_throughput": tps / 16, "ttft_s": s, "itl_s": s, "tpot_s": s,
+                "e2e_s": s, "mean_acceptance_length": None, "kv_cache_usage": {"mean": 0.1, "max": 0.2},
+                "status": "ok"}
+    for name, tps in (("a", 100.0), ("b", 150.0)):
+        doc = {"status": "ok", "error": None, "config": {"label": name}, "levels": [level(1, tps), level(4, 3 * tps)]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    md = write_report([tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "out").read_text()
+    assert "| b | 4 | 8 / 0 / 0 | 450.0 |" in md
+    assert "| a | 1 |" in md and "20.0%" in md
+    for png in ("throughput.png", "latency.png", "kv_cache.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000

@@ -1,0 +1,111 @@
+"""`hybridspec bench` and `hybridspec report`."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.bench.loadgen import BenchAborted, BenchConfig, run_bench
+from vllm_hybridspec.bench.prompts import load_prompts
+from vllm_hybridspec.bench.report import write_report
+from vllm_hybridspec.bench.server import ManagedServer, ServerError, url_from_command
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,4,16,64,128.")
+    return values
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.echo(f"hybridspec bench: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def bench(
+    out: Path = typer.Option(..., "--out", "-o", help="result JSON (rewritten after every level)"),
+    url: str = typer.Option(None, help="base URL of an OpenAI-compatible server [default: from --serve's "
+                                       "--host/--port, else http://127.0.0.1:8000]"),
+    serve: str = typer.Option(None, help="a server command line to start (and stop) around the run, "
+                                         "e.g. \"vllm serve Qwen/Qwen3-8B --port 8000\""),
+    serve_timeout: float = typer.Option(900.0, help="seconds to wait for the started server's /health"),
+    prompts: Path = typer.Option(None, help="JSONL prompts: one {\"prompt\": text or list of token ids} per line"),
+    dataset: str = typer.Option(None, help="a `datasets` name to take prompts from instead"),
+    dataset_split: str = typer.Option("train"),
+    prompt_field: str = typer.Option("prompt", help="the JSONL field / dataset column holding the prompt"),
+    concurrency: str = typer.Option("1,4,16,64,128", help="comma-separated client counts C"),
+    num_requests: int = typer.Option(0, help="measured requests per level [default: max(16, 4 C)]"),
+    warmup: int = typer.Option(-1, help="warm-up requests per level, excluded from the statistics [default: C]"),
+    output_len: int = typer.Option(256, help="output tokens per request"),
+    eos: bool = typer.Option(False, "--eos", help="stop at EOS (output-len is then a cap) instead of a fixed length"),
+    model: str = typer.Option(None, help="model name for the requests [default: the server's first model]"),
+    label: str = typer.Option("", help="configuration name shown by `hybridspec report` [default: file stem]"),
+    request_timeout: float = typer.Option(600.0, help="seconds before one request counts as failed"),
+    level_timeout: float = typer.Option(1800.0, help="seconds after which a level sends no new requests"),
+    metrics_interval: float = typer.Option(0.5, help="seconds between KV-usage scrapes of /metrics"),
+    progress: bool = typer.Option(True, help="progress bar per level"),
+) -> None:
+    """Closed-loop load: C clients each send their next streamed completion as soon as the previous one
+    finishes, for each C; throughput, latency, acceptance length and KV usage per C, as JSON."""
+    levels = _concurrencies(concurrency)
+    if output_len < 1:
+        raise typer.BadParameter(f"--output-len must be at least 1, got {output_len}.")
+    try:
+        prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
+    except ValueError as e:
+        _fail(str(e), 2)
+    base_url = url or (url_from_command(serve, "http://127.0.0.1:8000") if serve else "http://127.0.0.1:8000")
+    cfg = BenchConfig(base_url=base_url, concurrencies=levels, num_requests=num_requests, warmup=warmup,
+                      output_len=output_len, ignore_eos=not eos, model=model, label=label or out.stem,
+                      request_timeout=request_timeout, level_timeout=level_timeout,
+                      metrics_interval=metrics_interval)
+    meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list)}
+    try:
+        with ExitStack() as stack:
+            server = None
+            if serve:
+                log = out.with_name(out.stem + ".server.log")
+                typer.echo(f"starting the server (log: {log}) and waiting for {base_url}/health", err=True)
+                server = stack.enter_context(ManagedServer(serve, base_url, log, serve_timeout))
+            doc = run_bench(cfg, prompt_list, out, meta=meta,
+                            server_alive=(lambda: server.alive) if server else None, progress=progress)
+    except ServerError as e:
+        _fail(str(e))
+    except BenchAborted as e:
+        _fail(f"{e}; partial results in {out}")
+    except KeyboardInterrupt:
+        _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130)
+    for lv in doc["levels"]:
+        typer.echo(f"C={lv['concurrency']:>4}: {_num(lv['output_throughput'])} tok/s, "
+                   f"{_num(lv['request_throughput'], '.2f')} req/s, ITL p50 {_num(lv['itl_s']['p50'], '.1f', 1e3)} ms, "
+                   f"E2E p50 {_num(lv['e2e_s']['p50'], '.2f')} s, failed {lv['failed']}/{lv['num_requests']}, "
+                   f"accept. length {_num(lv['mean_acceptance_length'], '.2f')}, "
+                   f"KV max {_num(lv['kv_cache_usage']['max'], '.1%')}")
+    failed = sum(lv["failed"] for lv in doc["levels"])
+    if failed:
+        typer.echo(f"warning: {failed} request(s) failed; their errors are under 'errors' in {out}", err=True)
+    typer.echo(f"results: {out}")
+
+
+def _num(value, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def report(
+    results: list[Path] = typer.Argument(..., help="result JSONs of `hybridspec bench`, one per configuration"),
+    out_dir: Path = typer.Option(Path("bench_report"), "--out-dir", "-o"),
+) -> None:
+    """A markdown table and plots (throughput, latency, KV usage against concurrency) of result files,
+    the configurations side by side."""
+    try:
+        path = write_report(results, out_dir)
+    except (OSError, ValueError) as e:
+        typer.echo(f"hybridspec report: error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"report: {path}")

@@ -1,0 +1,220 @@
+"""The closed-loop load generator: C clients, each sending its next request as soon as the previous
+one finished, for each C in a list; one result dict per level, written as JSON after every level."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from vllm_hybridspec.bench.client import RequestResult, completion_payload, stream_completion
+from vllm_hybridspec.bench.metrics import KVUsageSampler, scrape, spec_decode_delta
+from vllm_hybridspec.bench.prompts import Prompt
+
+RESULT_VERSION = 1
+
+
+class BenchAborted(RuntimeError):
+    """The server went away mid-run; the partial result file has been written."""
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    concurrencies: list[int]
+    num_requests: int  # measured requests per level; 0: max(16, 4 * C)
+    warmup: int  # warm-up requests per level, excluded from every statistic; -1: C
+    output_len: int
+    ignore_eos: bool = True  # fixed output length; False: stop at EOS (output_len is the cap)
+    model: str | None = None  # None: the first model the server lists
+    label: str = ""
+    request_timeout: float = 600.0
+    level_timeout: float = 1800.0  # no new requests after this many seconds of a level
+    metrics_interval: float = 0.5
+
+    def requests_for(self, c: int) -> tuple[int, int]:
+        n = self.num_requests if self.num_requests > 0 else max(16, 4 * c)
+        return n, (c if self.warmup < 0 else self.warmup)
+
+
+def summarize(values) -> dict:
+    if len(values) == 0:
+        return {"mean": None, "p50": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def level_stats(c: int, planned: int, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": c,
+        "num_requests": planned,
+        "completed": len(ok),
+        "failed": len(failed),
+        "not_sent": planned - len(results),
+        "errors": dict(Counter(r.error for r in failed).most_common()),
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "output_throughput": tokens / duration if duration > 0 else None,  # tokens/s
+        "request_throughput": len(ok) / duration if duration > 0 else None,  # requests/s
+        "ttft_s": summarize([r.ttft for r in ok]),
+        "itl_s": summarize([g for r in ok for g in r.itl]),
+        "tpot_s": summarize([r.tpot for r in ok if r.tpot is not None]),
+        "e2e_s": summarize([r.e2e for r in ok]),
+    }
+
+
+async def _closed_loop(session, url: str, payloads: list[dict], c: int, timeout: float, deadline: float,
+                       outage: asyncio.Event, on_done, health, results: list[RequestResult]) -> None:
+    """Send ``payloads`` with ``c`` clients, appending to ``results``; stop early at ``deadline`` or
+    once ``outage`` is set."""
+    next_index = 0
+
+    async def client() -> None:
+        nonlocal next_index
+        while next_index < len(payloads) and not outage.is_set() and time.monotonic() < deadline:
+            payload = payloads[next_index]
+            next_index += 1
+            res = await stream_completion(session, url, payload, timeout)
+            results.append(res)
+            on_done(res)
+            if res.connection_error and not await health():
+                outage.set()
+
+    await asyncio.gather(*(client() for _ in range(c)))
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+async def _resolve_model(session, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
+        r.raise_for_status()
+        models = (await r.json()).get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass one with --model.")
+    return models[0]["id"]
+
+
+async def _health(session, base_url: str, server_alive) -> bool:
+    if server_alive is not None and not server_alive():
+        return False
+    try:
+        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, meta: dict | None = None,
+                          server_alive=None, progress: bool = True) -> dict:
+    """Run every level of ``cfg`` and write the result JSON to ``out`` after each one.
+
+    ``server_alive`` (a callable) tells whether a managed server process still runs. Raises
+    BenchAborted, after writing the partial result, when the server stops answering.
+    """
+    base_url = cfg.base_url.rstrip("/")
+    url = f"{base_url}/v1/completions"
+    doc = {"version": RESULT_VERSION, "status": "running", "error": None,
+           "config": {**{k: v for k, v in vars(cfg).items()}, **(meta or {})}, "levels": []}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        health = lambda: _health(session, base_url, server_alive)
+        try:
+            model = cfg.model or await _resolve_model(session, base_url)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            doc.update(status="aborted", error=f"could not list models at {base_url}/v1/models: {e}")
+            _write_json(out, doc)
+            raise BenchAborted(doc["error"]) from None
+        doc["config"]["model"] = model
+        prompt_index = 0
+
+        def take(n: int) -> list[dict]:
+            nonlocal prompt_index
+            batch = [completion_payload(model, prompts[(prompt_index + i) % len(prompts)], cfg.output_len,
+                                        cfg.ignore_eos) for i in range(n)]
+            prompt_index += n
+            return batch
+
+        for i, c in enumerate(cfg.concurrencies):
+            n, warmup = cfg.requests_for(c)
+            outage = asyncio.Event()
+            bar = tqdm(total=warmup + n, desc=f"C={c}", unit="req", disable=not progress, leave=True)
+            failures = 0
+
+            def on_done(res: RequestResult, bar=bar) -> None:
+                nonlocal failures
+                failures += not res.ok
+                bar.update(1)
+                if failures:
+                    bar.set_postfix(failed=failures)
+
+            warm: list[RequestResult] = []
+            results: list[RequestResult] = []
+            before = after = None
+            kv = {"mean": None, "max": None, "num_samples": 0}
+            t0 = time.perf_counter()
+            status = "ok"
+            try:
+                deadline = time.monotonic() + cfg.level_timeout
+                await _closed_loop(session, url, take(warmup), c, cfg.request_timeout, deadline, outage,
+                                   on_done, health, warm)
+                if not outage.is_set():
+                    before = await scrape(session, base_url)
+                    sampler = KVUsageSampler(session, base_url, cfg.metrics_interval)
+                    sampler.start()
+                    t0 = time.perf_counter()
+                    try:
+                        await _closed_loop(session, url, take(n), c, cfg.request_timeout, deadline, outage,
+                                           on_done, health, results)
+                    finally:
+                        kv = await sampler.stop()
+                if not outage.is_set():
+                    after = await scrape(session, base_url)
+            except (asyncio.CancelledError, KeyboardInterrupt):
+                status = "interrupted"
+            finally:
+                bar.close()
+            status = "aborted" if outage.is_set() else status
+
+            level = level_stats(c, n, results, time.perf_counter() - t0)
+            level["warmup"] = {"num_requests": warmup, "completed": sum(r.ok for r in warm),
+                               "failed": sum(not r.ok for r in warm)}
+            level["spec_decode"] = spec_decode_delta(before, after)
+            level["mean_acceptance_length"] = level["spec_decode"]["mean_acceptance_length"]
+            level["kv_cache_usage"] = kv
+            level["status"] = status
+            doc["levels"].append(level)
+            if status != "ok":
+                errors = [r.error for r in warm + results if r.connection_error]
+                doc["status"] = status
+                doc["error"] = (f"interrupted during C={c}" if status == "interrupted" else
+                                f"the server at {base_url} stopped answering during C={c} "
+                                f"({errors[-1] if errors else 'no answer'})")
+                doc["not_run_concurrencies"] = cfg.concurrencies[i + 1:]
+                _write_json(out, doc)
+                if status == "interrupted":
+                    raise KeyboardInterrupt
+                raise BenchAborted(doc["error"])
+            _write_json(out, doc)
+    doc["status"] = "ok"
+    _write_json(out, doc)
+    return doc
+
+
+def run_bench(cfg: BenchConfig, prompts: list[Prompt], out: Path, **kwargs) -> dict:
+    return asyncio.run(run_bench_async(cfg, prompts, out, **kwargs))

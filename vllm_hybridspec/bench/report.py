@@ -1,0 +1,125 @@
+"""Result files of `hybridspec bench` as a markdown table and plots against concurrency, one line per
+configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def load_result(path: Path) -> dict:
+    doc = json.loads(Path(path).read_text())
+    if "levels" not in doc:
+        raise ValueError(f"{path} is not a `hybridspec bench` result (no 'levels'); expected the JSON it writes.")
+    doc.setdefault("config", {})
+    doc["label"] = doc["config"].get("label") or Path(path).stem
+    return doc
+
+
+def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "–" if value is None else format(value * scale, spec)
+
+
+def markdown_table(docs: list[dict]) -> str:
+    head = ("| configuration | C | done / failed / not sent | output tok/s | req/s | ITL mean / p50 / p99 (ms) "
+            "| E2E mean / p50 / p99 (s) | TTFT p50 (ms) | accept. length | KV usage mean / max |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for doc in docs:
+        for lv in doc["levels"]:
+            itl, e2e = lv["itl_s"], lv["e2e_s"]
+            kv = lv.get("kv_cache_usage") or {}
+            flag = "" if lv.get("status", "ok") == "ok" else f" ({lv['status']})"
+            lines.append(
+                f"| {doc['label']}{flag} | {lv['concurrency']} | {lv['completed']} / {lv['failed']} / "
+                f"{lv.get('not_sent', 0)} | {_fmt(lv['output_throughput'])} | {_fmt(lv['request_throughput'], '.2f')} "
+                f"| {_fmt(itl['mean'], '.1f', 1e3)} / {_fmt(itl['p50'], '.1f', 1e3)} / {_fmt(itl['p99'], '.1f', 1e3)} "
+                f"| {_fmt(e2e['mean'], '.2f')} / {_fmt(e2e['p50'], '.2f')} / {_fmt(e2e['p99'], '.2f')} "
+                f"| {_fmt(lv['ttft_s']['p50'], '.1f', 1e3)} | {_fmt(lv.get('mean_acceptance_length'), '.2f')} "
+                f"| {_fmt(kv.get('mean'), '.1%')} / {_fmt(kv.get('max'), '.1%')} |")
+    notes = [f"- {doc['label']}: {doc['status']}: {doc['error']}" for doc in docs if doc.get("status") != "ok"]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def _series(doc: dict, get) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for lv in doc["levels"]:
+        y = get(lv)
+        if y is not None:
+            xs.append(lv["concurrency"])
+            ys.append(y)
+    return xs, ys
+
+
+def _panel(ax, docs, get, ylabel: str, title: str, style: str = "o-", scale: float = 1.0) -> None:
+    for i, doc in enumerate(docs):
+        xs, ys = _series(doc, get)
+        ax.plot(xs, [y * scale for y in ys], style, color=f"C{i}", label=doc["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency C")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+
+
+def plot(docs: list[dict], out_dir: Path) -> list[Path]:
+    """throughput.png (tokens/s, requests/s), latency.png (ITL, E2E: mean solid, p99 dashed),
+    kv_cache.png (mean and max KV-cache usage); each configuration one colour."""
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    _panel(axes[0], docs, lambda lv: lv["output_throughput"], "output tokens / s", "Output throughput")
+    _panel(axes[1], docs, lambda lv: lv["request_throughput"], "requests / s", "Request throughput")
+    axes[0].legend()
+    paths.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, ax, unit, scale, name in (("itl_s", axes[0], "ms", 1e3, "Inter-token latency"),
+                                       ("e2e_s", axes[1], "s", 1.0, "End-to-end latency")):
+        _panel(ax, docs, lambda lv, k=key: lv[k]["mean"], f"{unit} (mean solid, p99 dashed)", name, "o-", scale)
+        for i, doc in enumerate(docs):
+            xs, ys = _series(doc, lambda lv, k=key: lv[k]["p99"])
+            ax.plot(xs, [y * scale for y in ys], "x--", color=f"C{i}")
+    axes[0].legend()
+    paths.append(_save(fig, out_dir / "latency.png"))
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    _panel(ax, docs, lambda lv: (lv.get("kv_cache_usage") or {}).get("mean"), "KV-cache usage (%)",
+           "KV-cache usage (mean solid, max dashed)", "o-", 100.0)
+    for i, doc in enumerate(docs):
+        xs, ys = _series(doc, lambda lv: (lv.get("kv_cache_usage") or {}).get("max"))
+        ax.plot(xs, [y * 100 for y in ys], "x--", color=f"C{i}")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "kv_cache.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: list[Path], out_dir: Path) -> Path:
+    """``report.md`` (the table, then the plots) and the plots in ``out_dir``; returns report.md."""
+    docs = [load_result(p) for p in results]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = plot(docs, out_dir)
+    intro = ("Closed-loop streaming completions; ITL counts each token of a multi-token (speculative) "
+             "chunk; acceptance length includes the bonus token.")
+    md = ["# Benchmark report", "", intro, "", markdown_table(docs)]
+    for doc in docs:
+        cfg = doc["config"]
+        md.append(f"- **{doc['label']}**: model `{cfg.get('model')}`, output length {cfg.get('output_len')} "
+                  f"({'fixed' if cfg.get('ignore_eos', True) else 'up to EOS'}), "
+                  f"server `{cfg.get('serve') or cfg.get('base_url')}`")
+    md += [""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
