@@ -10,26 +10,10 @@ os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
 
-VOCAB, MASK = 96, 95
-
-
-def tiny_qwen3_config(**overrides) -> Qwen3Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    return Qwen3Config(**{**fields, **overrides})
-
+from ..tiny_models import MASK, VOCAB, tiny_qwen3_config
 
 @pytest.fixture(scope="session")
 def target_dir(tmp_path_factory):

@@ -14,22 +14,13 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
 
-VOCAB, MASK = 96, 95
+from ..tiny_models import MASK, VOCAB
+from ..tiny_models import tiny_qwen3_config as shared_tiny_qwen3_config
 
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return Qwen3Config(**{**fields, **overrides})
+    """The plugin tests' target: the shared tiny shape with 32-wide heads and 512 positions."""
+    return shared_tiny_qwen3_config(**{"head_dim": 32, "max_position_embeddings": 512, **overrides})
 
 
 @pytest.fixture(scope="session")
