@@ -70,7 +70,7 @@ def _install_version_guard(error: RuntimeError) -> None:
     def refuse_hspec(spec: dict, target_model_config) -> dict:
         if spec.get("method") == HSPEC_METHOD:
             raise RuntimeError(f"{error} (vLLM {installed_vllm_version()})")
-        return spec
+        return spec, {}
 
     try:
         patch_create_speculative_config(refuse_hspec)

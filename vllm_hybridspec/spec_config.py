@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
 from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
+from vllm_hybridspec.options import ADDITIONAL_CONFIG_KEY, parse_options
 from vllm_hybridspec.vllm_internals import (
     HSPEC_ARCHITECTURE,
     HSPEC_METHOD,
@@ -44,11 +45,26 @@ def is_hspec_checkpoint(config_dict: dict[str, Any] | None) -> bool:
     return bool(config_dict) and config_dict.get("speculators_model_type") == HSPEC_METHOD
 
 
-def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> dict[str, Any]:
-    """Translate a user's speculative config. Anything not H-Spec passes through unchanged (an unknown
-    method is reported with the valid ones, "hspec" included); an H-Spec one is validated against the
-    target and returned as vLLM's ``"dflash"`` method with the H-Spec checkpoint as its model."""
+def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Translate a user's speculative config into ``(spec for vLLM, additional_config entries)``.
+
+    The ``"hybridspec"`` sub-dict (``options.HybridSpecOptions``) is popped and validated, and travels to
+    the workers as ``additional_config["hybridspec"]``."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
+    spec = _resolve_method(spec, target_model_config)
+    if raw_options is None:
+        return spec, {}
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
+    return spec, {ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
+
+
+def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]:
+    """Anything not H-Spec passes through unchanged (an unknown method is reported with the valid
+    ones, "hspec" included); an H-Spec one is validated against the target and returned as vLLM's
+    ``"dflash"`` method with the H-Spec checkpoint as its model."""
     method, model = spec.get("method"), spec.get("model")
     checkpoint = read_speculators_config(model) if isinstance(model, str) and method in (
         None, HSPEC_METHOD, "dflash", "draft_model") else None

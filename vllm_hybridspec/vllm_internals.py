@@ -134,13 +134,18 @@ def patch_create_speculative_config(resolve) -> None:
     --speculative-config`` and ``LLM(speculative_config=...)`` (and the speculators-checkpoint-as-model
     path, ``maybe_override_with_speculators``) go through, in the main process, before any worker
     starts, so the validation errors raised by ``resolve(spec_dict, target_model_config)`` reach the
-    user at engine start and never hang a worker."""
+    user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``; ``extra``
+    is merged into ``EngineArgs.additional_config``, which reaches every worker as
+    ``VllmConfig.additional_config``."""
     from vllm.engine.arg_utils import EngineArgs
 
     def make(original):
         def create_speculative_config(self, target_model_config, target_parallel_config):
             if self.speculative_config is not None:
-                self.speculative_config = resolve(dict(self.speculative_config), target_model_config)
+                self.speculative_config, extra = resolve(dict(self.speculative_config), target_model_config)
+                if extra:
+                    # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
+                    self.additional_config = {**(self.additional_config or {}), **extra}
             return original(self, target_model_config, target_parallel_config)
 
         return create_speculative_config

@@ -99,5 +99,5 @@ def test_kv_reuse_of_a_gated_deltanet_layer_of_a_hybrid_target(hspec_dir, tmp_pa
     with pytest.raises(ValueError, match=r"target layers \[2\] are not full-attention layers; the target's "
                                          r"full-attention layers are \[3, 7\]"):
         resolve_speculative_config({"method": "hspec", "model": str(tmp_path / "bad")}, target)
-    resolved = resolve_speculative_config({"method": "hspec", "model": str(good)}, target)
-    assert resolved["method"] == "dflash" and resolved["num_speculative_tokens"] == 7
+    resolved, extra = resolve_speculative_config({"method": "hspec", "model": str(good)}, target)
+    assert resolved["method"] == "dflash" and resolved["num_speculative_tokens"] == 7 and extra == {}

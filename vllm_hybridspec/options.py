@@ -1,0 +1,97 @@
+"""The ``"hybridspec"`` sub-dict of ``--speculative-config``: throughput-aware verification options.
+
+    --speculative-config '{"method": "hspec", "model": "...", "num_speculative_tokens": 15,
+                           "hybridspec": {"policy": "policy.json", "select": true, "gdn_kernel": true}}'
+
+It is popped from the speculative config in the main process (``spec_config.resolve_speculative_config``),
+validated there (a bad value is a ``ValueError`` naming it, before any worker starts) and carried to
+every worker in ``VllmConfig.additional_config["hybridspec"]``; workers read it back with
+:func:`hybridspec_options`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ADDITIONAL_CONFIG_KEY = "hybridspec"
+
+
+class HybridSpecOptions(BaseModel):
+    """Every key is optional; an empty dict means vLLM's own verification with the H-Spec drafter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str | None = Field(
+        default=None, description="policy file (`hybridspec calibrate fit`) that picks verification lengths")
+    select: bool | None = Field(
+        default=None, description="verify only the policy's selected prefix of each draft (default: on "
+        "when a policy is given)")
+    batched: bool = Field(default=False, description="one shared length per batch (the policy's batched variant)")
+    gate: bool = Field(default=True, description="turn drafting off for steps whose batch size the policy's "
+                       "gate table marks as slower than plain decoding")
+    gdn_kernel: bool = Field(default=True, description="verify GDN layers with the parallel kernel and one "
+                             "state slot per request")
+    capture: str | None = Field(default=None, description="write calibration round records (JSONL) here; "
+                                "verifies every draft token")
+    fixed_length: int | None = Field(default=None, ge=1, description="verify exactly this many tokens "
+                                     "(anchor + drafts) per request; for `calibrate costs`")
+    tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HybridSpecOptions:
+        if self.select is None:
+            self.select = self.policy is not None
+        if self.select and self.policy is None:
+            raise ValueError('"select": true needs "policy": the policy file that picks the lengths')
+        if self.batched and not self.select:
+            raise ValueError('"batched": true needs length selection ("select": true and a "policy")')
+        if self.fixed_length is not None and self.select:
+            raise ValueError('"fixed_length" forces one length; it cannot be combined with "select"')
+        if self.capture is not None and (self.select or self.fixed_length is not None):
+            raise ValueError('"capture" verifies every draft token; drop "select"/"fixed_length"')
+        return self
+
+    def check(self, num_speculative_tokens: int) -> None:
+        """Checks that need the engine's settings or the file system; raises ``ValueError``."""
+        w_max = num_speculative_tokens + 1
+        if self.fixed_length is not None and self.fixed_length > w_max:
+            raise ValueError(f"hybridspec.fixed_length={self.fixed_length} exceeds num_speculative_tokens + 1 "
+                             f"= {w_max}")
+        if self.policy is not None:
+            from vllm_hybridspec.policy.policy_file import load_policy
+
+            policy = load_policy(self.policy)  # InputError (a ValueError) naming the bad field
+            if policy.draft_len != num_speculative_tokens:
+                raise ValueError(f"policy file {self.policy!r} was calibrated for draft_len={policy.draft_len} "
+                                 f"but num_speculative_tokens={num_speculative_tokens}")
+        if self.capture is not None:
+            parent = Path(self.capture).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise ValueError(f"hybridspec.capture={self.capture!r}: directory {str(parent)!r} does not exist")
+
+
+def parse_options(raw: Any, num_speculative_tokens: int) -> HybridSpecOptions:
+    """Validate the user's ``"hybridspec"`` value; errors name the bad key and value."""
+    if not isinstance(raw, dict):
+        raise ValueError(f'"hybridspec" in --speculative-config must be a JSON object, got {raw!r}')
+    try:
+        options = HybridSpecOptions.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'hybridspec'}: {err['msg']}"
+            + (f" (got {err['input']!r})" if err.get("loc") else "")
+            for err in e.errors()
+        )
+        raise ValueError(f'invalid "hybridspec" options: {problems}') from None
+    options.check(num_speculative_tokens)
+    return options
+
+
+def hybridspec_options(vllm_config) -> HybridSpecOptions | None:
+    """The validated options in a worker, or ``None`` when the user gave none."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(ADDITIONAL_CONFIG_KEY)
+    return None if raw is None else HybridSpecOptions.model_validate(raw)
