@@ -74,6 +74,8 @@ DELETE = object()
     ("routing.eta", -1.0, ["routing.eta"]),
     ("batched.4.candidates", [8, 4], ["'batched.4.candidates' is [8, 4]"]),
     ("min_length", 3, ["min_length"]),
+    ("gate", {"0": True}, ["'gate' key 0 is not a batch size"]),
+    ("gate", {"4": "sometimes"}, ["gate.4"]),
     ("extra_field", 1, ["extra_field", "Extra inputs"]),
 ])
 def test_malformed_policy_is_named(tmp_path, fitted, path, value, words):
@@ -97,3 +99,39 @@ def test_unreadable_policy_files(tmp_path):
     (tmp_path / "p.json").write_text('{"format": "hybridspec-policy",')
     with pytest.raises(InputError, match="not valid JSON"):
         load_policy(tmp_path / "p.json")
+
+
+def test_batch_gate_fitted_from_plain_decoding_times(tmp_path, fitted):
+    """Speculation at B = 4 yields rho_B tokens per ms; plain decoding 4 / plain_ms.  The gate is on
+    exactly when rho_B is larger, at both sides of the break-even time."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rounds = Rounds.from_records(synthesize(1000, seed=int(torch.randint(0, 10**6, (), generator=gen))))
+    costs = synthetic_costs()
+    base, _ = fit_policy(rounds, CostFile.model_validate(costs))
+    assert base.gate == {4: True}  # w = 1 is no faster than the round time it is measured by
+    rho_4 = base.batched[4].rate
+    break_even = 4 / rho_4  # ms per plain step at which both decode equally fast
+    for factor, on in ((1.05, True), (0.95, False)):
+        costs["batched"]["4"]["plain_ms"] = factor * break_even
+        policy, notes = fit_policy(rounds, CostFile.model_validate(costs))
+        assert policy.gate == {4: on} and policy.batched[4].rate == rho_4
+        assert (notes == []) if on else ("batch gate: drafting off at batch sizes [4]" in notes)
+        path = tmp_path / f"gate_{on}.json"
+        save_policy(policy, path)
+        assert Policy.load(path).gate == {4: on}
+
+
+def test_gate_and_batched_lookup_take_the_largest_calibrated_size_at_or_below(fitted):
+    policy = Policy.from_params(fitted.model_copy(update={"gate": {2: True, 8: False, 32: True}}))
+    got = {b: policy.speculate(b) for b in (1, 2, 7, 8, 31, 32, 500)}
+    assert got == {1: True, 2: True, 7: True, 8: False, 31: False, 32: True, 500: True}
+    assert Policy.from_params(fitted.model_copy(update={"gate": {}})).speculate(64) is True
+    assert policy.batched_cost(1) is policy.batched[4] and policy.batched_cost(100) is policy.batched[4]
+
+
+def test_policy_files_without_a_gate_still_load(tmp_path, fitted):
+    obj = json.loads(fitted.model_dump_json())
+    del obj["gate"]
+    (tmp_path / "old.json").write_text(json.dumps(obj))
+    assert load_policy(tmp_path / "old.json").gate == {}
+    assert Policy.load(tmp_path / "old.json").speculate(1000) is True

@@ -31,7 +31,10 @@ Cost file (JSON, times in milliseconds)::
 ``experts_per_token`` optional top-k of the router; defaults to the largest ``n_new_l0`` recorded.
 ``batched``           optional, per batch size ``B``: the same ``round_ms``/``fixed_ms`` measured
                       with ``B`` requests per round, and optionally ``candidates`` (default: the
-                      measured lengths), for the shared-length batched selector.
+                      measured lengths), for the shared-length batched selector; and optionally
+                      ``plain_ms``, the step time of plain decoding (no drafter) with ``B`` requests,
+                      for the batch gate (default: the fitted round time at ``w = 1``, which still
+                      pays the drafter, so the gate then leans towards speculating).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class BatchCosts(BaseModel):
     round_ms: dict[int, float | list[float]]
     fixed_ms: float | None = Field(default=None, ge=0)
     candidates: list[int] | None = None
+    plain_ms: float | None = Field(default=None, gt=0)
 
     _times = field_validator("round_ms")(_positive_times)
 

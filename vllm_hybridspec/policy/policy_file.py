@@ -22,8 +22,13 @@ Version 1 (``hybridspec calibrate fit`` writes it; times in milliseconds, length
                          "n_all": [D floats], "n_all_given": [D rows of k + 1 floats]},
       "batched": {"4": {"candidates": [2, 4, 8, 12, 16], "quadratic": [...], "fixed": float,
                         "curve": [W floats], "rate": float}},
+      "gate": {"1": true, "64": false},                 # optional: speculate at batch size B?
       "fit": {...}                                      # provenance, free-form
     }
+
+``gate`` (optional, files without it load and never gate) is the batch gate of issue 6: for a step
+with ``B`` requests the entry of the largest calibrated batch size ``<= B`` says whether to draft at
+all; below the smallest calibrated size drafting stays on.
 
 ``n_all[w0 - 1]`` is ``nbar_all(w0)`` and ``n_all_given[w0 - 1][n]`` is ``nbar_all(w0 | n)``.
 """
@@ -32,7 +37,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,6 +164,7 @@ class PolicyFile(BaseModel):
     rate: float = Field(gt=0)
     routing: RoutingParams | None = None
     batched: dict[int, BatchedParams] = {}
+    gate: dict[int, bool] = {}
     fit: dict[str, Any] = {}
 
     @model_validator(mode="after")
@@ -186,6 +193,9 @@ class PolicyFile(BaseModel):
             if c != sorted(set(c)) or not all(1 <= w <= w_max for w in c):
                 raise ValueError(f"'batched.{b}.candidates' is {c}; it must be increasing, "
                                  f"without repeats, within 1..{w_max}")
+        bad = [b for b in self.gate if b < 1]
+        if bad:
+            raise ValueError(f"'gate' key {bad[0]} is not a batch size (>= 1)")
         return self
 
 
@@ -242,6 +252,7 @@ class Policy:
     rate: float
     routing: RoutingTables | None
     batched: dict[int, BatchedCost]
+    gate: dict[int, bool] = field(default_factory=dict)
 
     @classmethod
     def from_params(cls, f: PolicyFile) -> Policy:
@@ -260,6 +271,7 @@ class Policy:
             cost=padded_curve(f.cost.curve), fixed=f.cost.fixed, rate=f.rate, routing=routing,
             batched={b: BatchedCost(torch.tensor(p.candidates), padded_curve(p.curve), p.fixed,
                                     p.rate) for b, p in f.batched.items()},
+            gate=dict(f.gate),
         )
 
     @classmethod
@@ -274,7 +286,7 @@ class Policy:
             self.draft_len, self.min_length, self.acceptance.to(device, dtype),
             self.cost.to(device, dtype), self.fixed, self.rate, routing,
             {b: BatchedCost(c.candidates.to(device), c.cost.to(device, dtype), c.fixed, c.rate)
-             for b, c in self.batched.items()})
+             for b, c in self.batched.items()}, dict(self.gate))
 
     def full_length(self, batch: int, device) -> torch.Tensor:
         return torch.full((batch,), self.draft_len + 1, dtype=torch.int64, device=device)
@@ -301,6 +313,19 @@ class Policy:
         return routing_correction(p, w0, u, n_new, w_rem, self.cost, self.rate, r.s, r.eta,
                                   r.n_all, r.n_all_given)
 
+    def speculate(self, batch: int) -> bool:
+        """The batch gate: draft at all in a step with ``batch`` requests?  The entry of the largest
+        calibrated batch size ``<= batch``; on below the smallest one and without a gate table."""
+        return _at_or_below(self.gate, batch, True)
+
+    def batched_cost(self, batch: int) -> BatchedCost:
+        """The batched costs of the largest calibrated batch size ``<= batch`` (the smallest one
+        when ``batch`` is below all of them)."""
+        if not self.batched:
+            raise InputError("this policy file has no 'batched' section (the cost file measured no "
+                             "batch sizes)")
+        return _at_or_below(self.batched, batch, self.batched[min(self.batched)])
+
     def shared_length(self, p: torch.Tensor, w_rem: torch.Tensor | None = None,
                       active: torch.Tensor | None = None) -> torch.Tensor:
         """The batched variant: one length for the B requests of ``p`` [B, D] (0-d tensor)."""
@@ -310,3 +335,9 @@ class Policy:
                              f"{sorted(self.batched) or 'none'}")
         c = self.batched[b]
         return select_shared_length(p, c.candidates, c.cost, c.rate, w_rem, active)
+
+
+def _at_or_below(table: dict, key: int, default):
+    keys = sorted(table)
+    i = bisect_right(keys, key)
+    return table[keys[i - 1]] if i else default
