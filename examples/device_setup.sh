@@ -6,3 +6,10 @@
 for d in kernels drafter train; do ln -sfn "../$d" "vllm_hybridspec/$d"; done
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
+# vLLM loads general plugins through entry points; without a pip install there is no dist-info, so
+# write a minimal one next to the bundle (PYTHONPATH directories are searched for metadata too).
+mkdir -p /tmp/site/vllm_hybridspec-0.0.0.dist-info
+printf 'Metadata-Version: 2.1\nName: vllm-hybridspec\nVersion: 0.0.0\n' > /tmp/site/vllm_hybridspec-0.0.0.dist-info/METADATA
+printf '[vllm.general_plugins]\nhspec = vllm_hybridspec.plugin:register\n\n[console_scripts]\nhybridspec = vllm_hybridspec.cli:app\n' \
+  > /tmp/site/vllm_hybridspec-0.0.0.dist-info/entry_points.txt
+hybridspec() { python3 -m vllm_hybridspec.cli "$@"; }
