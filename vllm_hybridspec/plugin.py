@@ -52,6 +52,7 @@ def register() -> None:
     patch_v2_runner_unsupported(spec_config.is_hspec_speculative_config)
     patch_runner_dflash_proposer(RunnerDFlashProposer)
     _use_torch_gdn_on_cpu()
+    _install_one_slot_gdn()
     _registered = True
 
 
@@ -64,6 +65,21 @@ def _use_torch_gdn_on_cpu() -> None:
         from vllm_hybridspec.vllm_internals import patch_cpu_gdn_ops
 
         patch_cpu_gdn_ops()
+
+
+def _install_one_slot_gdn() -> None:
+    """The Qwen GDN layer with one state slot per request (``gdn_layer.py``); it decides per engine
+    whether it is on (``gdn_layer.gdn_kernel_enabled``) and otherwise is vLLM's layer."""
+    from vllm_hybridspec import gdn_layer
+    from vllm_hybridspec.vllm_internals import (
+        patch_gdn_page_size,
+        patch_runner_after_sampling,
+        register_gdn_layer,
+    )
+
+    register_gdn_layer(gdn_layer.HSpecQwenGDN)
+    patch_gdn_page_size(gdn_layer.one_slot_page_shape)
+    patch_runner_after_sampling(gdn_layer.commit_rounds)
 
 
 def _install_version_guard(error: RuntimeError) -> None:

@@ -266,3 +266,127 @@ def patch_cpu_gdn_ops() -> None:
             raise RuntimeError(f"vLLM changed: vllm._custom_ops.{name} takes {sorted(missing)}, "
                                "which vllm_hybridspec.cpu_gdn does not")
         setattr(ops, name, ours)
+
+
+# --------------------------------------------------------------------------------------------------
+# The one-slot GDN layer (vllm_hybridspec/gdn_layer.py, issue 6 deliverable 2).
+# --------------------------------------------------------------------------------------------------
+
+# vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py: the private helpers of vLLM's CPU GDN
+# core that the one-slot layer reuses, so its non-spec rows run exactly vLLM's CPU code.
+CPU_GDN_ATTENTION_HELPERS = {
+    "nonspec": "_cpu_gdn_attention_nonspec",
+    "nonspec_subset": "_spec_aware_nonspec_subset",
+    "conv_view": "_conv_buffer_view",
+    "ssm_view": "_ssm_state_view",
+    "conv_weight": "_unpacked_conv_weight",
+    "conv_update": "causal_conv1d_update_torch",
+}
+
+
+def vllm_cpu_gdn_paths() -> types.SimpleNamespace:
+    """vLLM 0.26's CPU GDN helpers from ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention``:
+
+    - ``_cpu_gdn_attention_nonspec(layer, md, mixed_qkv, b, a, core_attn_out)``: a batch without
+      spec rows (decodes + prefills) on a conv state exactly ``K_conv - 1`` wide;
+    - ``_spec_aware_nonspec_subset(layer, md, mixed_qkv, b, a, conv_buf, ssm_state, width)``: the
+      rows without drafts of a batch that has spec rows (vLLM runs them as prefills);
+    - ``_conv_buffer_view(layer)`` ``[slots, conv_dim, state_len]``, ``_ssm_state_view(layer)``
+      ``[slots, HV, K, V]`` (a reinterpreting view: the state is ``view[slot]^T``),
+      ``_unpacked_conv_weight(layer)`` ``[conv_dim, K_conv]`` (undoes AMX packing);
+    - ``causal_conv1d_update_torch(x, conv_state, weight, bias, activation)`` (its ``cpu.causal_conv1d``
+      import), the decode convolution.
+
+    Why: the one-slot layer replaces ``cpu_gdn_attention_core`` only for spec rows; reusing these
+    keeps its prefill/decode numerics identical to plain decoding with vLLM's layer."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    found = {}
+    for key, name in CPU_GDN_ATTENTION_HELPERS.items():
+        fn = getattr(gdn_attention, name, None)
+        if fn is None:
+            raise RuntimeError(f"vLLM changed: {gdn_attention.__name__}.{name} no longer exists "
+                               f"(written for vLLM {SUPPORTED_VLLM})")
+        found[key] = fn
+    return types.SimpleNamespace(**found)
+
+
+QWEN_GDN_LAYER = "QwenGatedDeltaNetAttention"
+
+
+def register_gdn_layer(layer_class) -> None:
+    """``vllm.model_executor.custom_op.PluggableLayer.register_oot``: make every
+    ``QwenGatedDeltaNetAttention(...)`` (built by class name in ``Qwen3NextDecoderLayer`` and
+    ``Qwen3_5DecoderLayer``) construct ``layer_class``, a subclass (idempotent).
+
+    Why here: ``register_oot`` is vLLM's out-of-tree layer hook, but the registry
+    (``custom_op.op_registry_oot``) is keyed by the *name of the class it is called on* and asserts on
+    duplicates, so it must be called on vLLM's class, once per process."""
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    if not issubclass(layer_class, QwenGatedDeltaNetAttention):
+        raise TypeError(f"{layer_class} must subclass vLLM's {QWEN_GDN_LAYER}")
+    current = custom_op.op_registry_oot.get(QWEN_GDN_LAYER)
+    if current is layer_class:
+        return
+    if current is not None:
+        raise RuntimeError(f"{QWEN_GDN_LAYER} is already replaced by {current}")
+    QwenGatedDeltaNetAttention.register_oot(layer_class)
+
+
+def patch_runner_after_sampling(hook) -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states_after_model_execute``
+    (inherited by ``CPUModelRunner``) to call ``hook(runner, output_token_ids)`` after it.
+
+    Why: it is the first point of a step where the rejection sampler's output
+    ``[num_reqs, max_spec_len + 1]`` (-1 after each row's accepted tokens) exists, before the drafter
+    runs and before the next step reads any GDN state; the one-slot GDN layer commits its verified
+    round there (``sample_tokens`` calls it on every step that sampled)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+            original(self, output_token_ids, scheduler_output)
+            hook(self, output_token_ids)
+
+        return _update_states_after_model_execute
+
+    _wrap_once(GPUModelRunner, "_update_states_after_model_execute", make)
+
+
+# vllm/model_executor/models/: the model classes whose GDN layers are QwenGatedDeltaNetAttention
+# and whose ``get_mamba_state_shape_from_config`` sizes the hybrid page with the spec conv columns.
+QWEN_GDN_MODEL_CLASSES = (
+    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM"),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+)
+
+
+def patch_gdn_page_size(one_slot_shape) -> None:
+    """Wrap the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and
+    ``Qwen3_5MoeForConditionalGeneration`` (the Qwen3.5 MoE class inherits it from the dense one).
+    ``one_slot_shape(vllm_config, hf_text_config)`` returns the shapes to use, or ``None`` for vLLM's.
+
+    Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention
+    block and ``cache_config.mamba_page_size_padded`` from this classmethod *before* any layer exists,
+    with ``num_spec = num_speculative_tokens`` conv columns; the one-slot layer's page is the plain
+    decoding page, and ``MambaSpec`` asserts the layer's page fits the padded one. A model-class
+    registration over the same architecture names would do the same with more surface."""
+    import importlib
+
+    for module_name, class_name in QWEN_GDN_MODEL_CLASSES:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.get_mamba_state_shape_from_config  # bound classmethod
+        if getattr(original, "__hspec_wrapped__", False):
+            continue
+
+        def get_mamba_state_shape_from_config(model_cls, vllm_config, _original=original.__func__):
+            shape = one_slot_shape(vllm_config, vllm_config.model_config.hf_text_config)
+            return shape if shape is not None else _original(model_cls, vllm_config)
+
+        get_mamba_state_shape_from_config.__hspec_wrapped__ = True
+        get_mamba_state_shape_from_config.__wrapped__ = original.__func__
+        cls.get_mamba_state_shape_from_config = classmethod(get_mamba_state_shape_from_config)

