@@ -123,3 +123,103 @@ def test_paged_kv_views_read_what_the_cpu_backend_writes():
         assert torch.equal(values[blocks, :, offsets], v), (dtype, block_size, isa)
         checked += 1
     assert checked, "no CPU cache layout was checked on this machine"
+
+
+# --- the one-slot GDN layer (vllm_internals: vllm_cpu_gdn_paths .. patch_gdn_page_size) ------------
+
+
+def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
+    import inspect
+    import types as _types
+
+    from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
+
+    cpu = vllm_cpu_gdn_paths()
+    expected = {
+        "nonspec": ["layer", "attn_metadata_i", "mixed_qkv", "b", "a", "core_attn_out"],
+        "nonspec_subset": ["layer", "attn_metadata_i", "mixed_qkv", "b", "a", "conv_buf", "ssm_state", "width"],
+        "conv_view": ["layer"], "ssm_view": ["layer"], "conv_weight": ["layer"],
+        "conv_update": ["x", "conv_state", "weight", "bias", "activation"],
+    }
+    for key, params in expected.items():
+        assert list(inspect.signature(getattr(cpu, key)).parameters) == params, key
+    # the views and the decode convolution do what gdn_layer.py assumes, on fresh random data
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    slots, dim, width, HV, K, V = 5, 24, 4, 2, 8, 16
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    dim_first = is_conv_state_dim_first()  # vLLM's conv layout: (dim, state_len) or (state_len, dim)
+    conv_state = torch.randn(slots, *((dim, width - 1) if dim_first else (width - 1, dim)), generator=gen)
+    ssm = torch.randn(slots, HV, V, K, generator=gen)
+    layer = _types.SimpleNamespace(kv_cache=(conv_state, ssm), conv1d=_types.SimpleNamespace(
+        weight=torch.randn(dim, 1, width, generator=gen)))
+    view = cpu.conv_view(layer)
+    assert view.shape == (slots, dim, width - 1) and view.data_ptr() == conv_state.data_ptr()
+    assert torch.equal(view, conv_state if dim_first else conv_state.transpose(-1, -2))
+    state_view = cpu.ssm_view(layer)
+    assert state_view.shape == (slots, HV, K, V) and torch.equal(state_view.reshape(-1), ssm.reshape(-1))
+    weight = cpu.conv_weight(layer)
+    assert weight.shape == (dim, width)
+    x = torch.randn(1, dim, 3, generator=gen)
+    window = view[2].clone()[None]
+    out = cpu.conv_update(x, window, weight, None, "silu")
+    full = torch.cat([view[2][None], x], dim=-1)  # [1, dim, width - 1 + 3]
+    ref = torch.nn.functional.silu(torch.stack(
+        [(full[0, :, t:t + width] * weight).sum(-1) for t in range(3)], dim=-1))[None]
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.equal(window[0], full[0, :, -(width - 1):])  # the window it leaves: the last width-1 inputs
+
+
+def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
+    import dataclasses
+    import inspect
+
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.platforms import interface
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_hybridspec.gdn_layer import HSpecQwenGDN
+    from vllm_hybridspec.vllm_internals import QWEN_GDN_LAYER, QWEN_GDN_MODEL_CLASSES, register_gdn_layer
+
+    # PluggableLayer: instantiation looks the class name up in op_registry_oot
+    assert QwenGatedDeltaNetAttention.__name__ == QWEN_GDN_LAYER
+    assert "op_registry_oot[layer_class_name]" in inspect.getsource(custom_op.PluggableLayer.__new__)
+    register_gdn_layer(HSpecQwenGDN)
+    assert custom_op.op_registry_oot[QWEN_GDN_LAYER] is HSpecQwenGDN
+    for module in ("qwen3_next", "qwen3_5"):
+        source = inspect.getsource(importlib.import_module(f"vllm.model_executor.models.{module}"))
+        assert "QwenGatedDeltaNetAttention(" in source, module
+    # the projections HSpecQwenGDN.forward_cpu repeats, and the core op it replaces
+    forward_cpu = inspect.getsource(QwenGatedDeltaNetAttention.forward_cpu)
+    for piece in ("self.in_proj_qkvz(hidden_states)", "self.in_proj_ba(hidden_states)",
+                  "self.fix_query_key_value_ordering(", "torch.ops.vllm.cpu_gdn_attention_core(",
+                  "self.norm(core_attn_out, z)", "self.out_proj(core_attn_out)"):
+        assert piece in forward_cpu, piece
+    # the state spec: get_state_shape reads self.num_spec, get_kv_cache_spec builds a MambaSpec
+    assert "self.num_spec" in inspect.getsource(QwenGatedDeltaNetAttention.get_state_shape)
+    assert "num_spec" in inspect.signature(MambaStateShapeCalculator.gated_delta_net_state_shape).parameters
+    assert "num_speculative_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    assert "MambaSpec(" in inspect.getsource(MambaBase.get_kv_cache_spec)
+    # the builder's metadata fields the layer reads
+    used = {"num_prefills", "num_decodes", "num_spec_decodes", "num_spec_decode_tokens", "num_actual_tokens",
+            "spec_sequence_masks", "spec_token_indx", "non_spec_token_indx", "spec_query_start_loc",
+            "spec_state_indices_tensor"}
+    assert used <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
+    # the commit hook: called by sample_tokens with the rejection sampler's output
+    hook = getattr(GPUModelRunner._update_states_after_model_execute, "__wrapped__",
+                   GPUModelRunner._update_states_after_model_execute)
+    assert list(inspect.signature(hook).parameters) == ["self", "output_token_ids", "scheduler_output"]
+    assert "self._update_states_after_model_execute(\n            sampler_output.sampled_token_ids" in \
+        inspect.getsource(GPUModelRunner.sample_tokens)
+    # the page size comes from the model class before any layer exists
+    assert "model_cls.get_mamba_state_shape_from_config(vllm_config)" in inspect.getsource(interface)
+    for module, name in QWEN_GDN_MODEL_CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        method = inspect.getattr_static(cls, "get_mamba_state_shape_from_config", None)
+        assert method is not None and isinstance(method, classmethod), name
+        assert list(inspect.signature(cls.get_mamba_state_shape_from_config).parameters) == ["vllm_config"]
