@@ -109,7 +109,7 @@ def train_from_recipe(recipe: Recipe | str | Path) -> TrainResult:
     loss_implementation = (
         tr.loss_implementation
         if tr.loss_implementation != "auto"
-        else ("fused" if device.type == "cuda" else "eager")
+        else "eager"  # speculators' fused CE kernel fails under DFlash's torch.compile (dynamo) in speculators 0.9
     )
     set_seed(recipe.seed)
 
@@ -168,7 +168,8 @@ def train_from_recipe(recipe: Recipe | str | Path) -> TrainResult:
             mamba_d_conv=dr.mamba_d_conv,
             **common,
         )
-        preprocess = AddTargetKV(TargetKV(target, kv_layer_ids, target_layer_ids))
+        # runs in the data loader's collate step on CPU tensors: keep these few layers on the CPU, fp32
+        preprocess = AddTargetKV(TargetKV(target, kv_layer_ids, target_layer_ids).to("cpu", torch.float32))
     else:
         from speculators.models.dflash import DFlashDraftModel as model_class
         from speculators.train.cli import create_transformer_layer_config

@@ -90,8 +90,9 @@ def stage_target(spec: BuildSpec, kind: str, split, tokenizer, force: bool = Fal
     if (out / "pretrain.json").exists() and not force:
         return out
     device = device_auto()
-    if device.type == "cpu":
-        use_torch_gated_delta_rule()
+    # fla's Triton backward of the gated chunk kernel refuses Hopper GPUs with Triton < 3.7.1 (fla
+    # issue #640, wrong results), and on the CPU fla's kernels need a GPU: train with the torch rule
+    use_torch_gated_delta_rule()
     train_tokens = token_stream(encode_documents(tokenizer, split.texts("train")))
     heldout_tokens = token_stream(encode_documents(tokenizer, split.texts("heldout")))
     model = build_target(spec.targets[kind], len(tokenizer), tokenizer.eos_token_id, seed=spec.seed)
