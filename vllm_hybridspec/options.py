@@ -67,6 +67,9 @@ class HybridSpecOptions(BaseModel):
             if policy.draft_len != num_speculative_tokens:
                 raise ValueError(f"policy file {self.policy!r} was calibrated for draft_len={policy.draft_len} "
                                  f"but num_speculative_tokens={num_speculative_tokens}")
+            if self.batched and not policy.batched:
+                raise ValueError(f"hybridspec.batched=True needs a policy file with a 'batched' section (cost "
+                                 f"curves per batch size, from a cost file with 'batched'); {self.policy!r} has none")
         if self.capture is not None:
             parent = Path(self.capture).expanduser().resolve().parent
             if not parent.is_dir():

