@@ -24,16 +24,23 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    max_len: int = typer.Option(16, help="verification length u (tokens of the target input, 2..16)"),
-    batch: int = typer.Option(3, help="number of sequences verified together"),
-    layers: int = typer.Option(3, help="GDN layers committed in one launch"),
+    kind: str = typer.Option("hybrid", help="reference target to serve: hybrid (Qwen3-Next) or dense (Qwen3)"),
+    num_prompts: int = typer.Option(8, help="held-out prompts served"),
+    max_tokens: int = typer.Option(48, help="greedy tokens per prompt"),
+    serve: bool = typer.Option(True, help="run the vLLM serving part (--no-serve: kernels only)"),
+    max_len: int = typer.Option(16, help="kernel round: verification length u (2..16)"),
+    batch: int = typer.Option(3, help="kernel round: sequences verified together"),
+    layers: int = typer.Option(3, help="kernel round: GDN layers committed in one launch"),
     seed: int = typer.Option(0),
 ) -> None:
-    """Verify and commit one speculative round through GDN layers on the CPU, checked against the
-    token-by-token reference (Triton kernels run in the interpreter when no GPU is present)."""
-    from vllm_hybridspec.demo import run_gdn_round_demo
+    """Serve a reference model through vLLM with its H-Spec drafter and check the output equals plain
+    decoding; then verify and commit one GDN round with the kernels against the reference."""
+    from vllm_hybridspec.demo import run_gdn_round_demo, run_serving_demo
 
-    ok = run_gdn_round_demo(max_len=max_len, batch=batch, layers=layers, seed=seed)
+    if kind not in ("hybrid", "dense"):
+        raise typer.BadParameter(f"--kind must be hybrid or dense, got {kind!r}")
+    ok = run_serving_demo(kind, num_prompts, max_tokens) if serve else True
+    ok = run_gdn_round_demo(max_len=max_len, batch=batch, layers=layers, seed=seed) and ok
     raise typer.Exit(0 if ok else 1)
 
 

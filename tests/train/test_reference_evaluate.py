@@ -84,3 +84,23 @@ def test_records_validate_with_the_policy_loader(tmp_path):
     t = Rounds.from_records(loaded)
     assert t.draft_len == D and bool(t.truncated[-1]) and not bool(t.truncated[0])
     assert torch.allclose(t.conf, torch.tensor([r.conf for r in rounds], dtype=torch.float64))
+
+
+def test_greedy_responses_batched_by_length_equal_one_by_one():
+    from transformers import Qwen3ForCausalLM
+
+    from vllm_hybridspec.train.reference.evaluate import greedy_responses
+
+    from ..tiny_models import tiny_qwen3_config
+
+    torch.manual_seed(3)
+    target = Qwen3ForCausalLM(tiny_qwen3_config(initializer_range=0.3)).eval()
+    vocab = target.config.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 7, 12, 7, 12, 5)]
+    eos = int(torch.randint(0, vocab, (1,), generator=gen))
+    batched = greedy_responses(target, prompts, max_new_tokens=10, eos_token_id=eos, batch_size=2)
+    for prompt, response in zip(prompts, batched):
+        alone = greedy_responses(target, [prompt], max_new_tokens=10, eos_token_id=eos)[0]
+        assert response == alone
+        assert 1 <= len(response) <= 10 and (eos not in response[:-1])

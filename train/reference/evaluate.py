@@ -217,38 +217,61 @@ def draft_dflash(drafter, target, ids: torch.Tensor, anchors: torch.Tensor):
 
 
 @torch.no_grad()
-def greedy_response(target, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int) -> list[int]:
+def greedy_responses(target, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int,
+                     batch_size: int = 16) -> list[list[int]]:
+    """The target's greedy continuation of every prompt, cut after the first eos. Prompts of equal
+    length are generated together (no padding, so each equals its unbatched greedy output up to
+    floating-point summation order)."""
+    from tqdm import tqdm
+
     device = target.device
-    out = target.generate(
-        input_ids=torch.tensor([prompt_ids], device=device),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    return out[0, len(prompt_ids):].tolist()
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    batches = [idx[s : s + batch_size] for idx in by_length.values() for s in range(0, len(idx), batch_size)]
+    responses: list[list[int]] = [[] for _ in prompts]
+    for idx in tqdm(batches, desc="greedy target responses"):
+        ids = torch.tensor([prompts[i] for i in idx], device=device)
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, pad_token_id=eos_token_id, eos_token_id=eos_token_id)
+        for row, i in zip(out[:, ids.shape[1]:].tolist(), idx):
+            responses[i] = row[: row.index(eos_token_id) + 1] if eos_token_id in row else row
+    return responses
 
 
-def evaluate_pair(target, tokenizer, drafter, kind: str, prompts: list[str], prompt_tokens: int,
+def evaluate_pair(target, drafter, kind: str, prompts: list[list[int]], responses: list[list[int]],
                   max_new_tokens: int) -> list[Round]:
-    """Rounds of ``drafter`` (``"hspec"`` or ``"dflash"``) with ``target`` over ``prompts``."""
+    """Rounds of ``drafter`` (``"hspec"`` or ``"dflash"``) with ``target`` over token-id ``prompts`` and
+    the target's greedy ``responses`` to them."""
     from tqdm import tqdm
 
     draft_fn = draft_hspec if kind == "hspec" else draft_dflash
     D = drafter.block_size - 1
     rounds: list[Round] = []
-    for i, text in enumerate(tqdm(prompts, desc=f"evaluating {kind}")):
-        prompt = tokenizer(text, add_special_tokens=False).input_ids[-prompt_tokens:]
-        response = greedy_response(target, prompt, max_new_tokens, tokenizer.eos_token_id)
-        if tokenizer.eos_token_id in response:
-            response = response[: response.index(tokenizer.eos_token_id) + 1]
+    for i, (prompt, response) in enumerate(tqdm(list(zip(prompts, responses)), desc=f"evaluating {kind}")):
         ids = torch.tensor(prompt + response)
         anchors = torch.arange(len(prompt), len(ids))  # anchor = response token j, prefix [0, P + j)
         tokens, conf, ent = draft_fn(drafter, target, ids, anchors)
         truth = torch.cat([torch.tensor(response), torch.full((D,), -1)])
         rounds += rounds_from_drafts(i, tokens, conf, ent, truth, max_new_tokens)
     return rounds
+
+
+def heldout_responses(spec, kind: str, target, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """Held-out prompts (token ids) and the target's greedy responses, cached in the work directory
+    (both drafters of a target are evaluated on the same responses)."""
+    cache = Path(spec.work_dir) / f"{kind}-heldout-responses.json"
+    texts = [json.loads(line)["prompt"] for line in (Path(spec.out_dir) / "prompts" / "heldout.jsonl").open()]
+    texts = texts[: spec.num_eval_prompts]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids[-spec.prompt_tokens :] for t in texts]
+    if cache.exists():
+        saved = json.loads(cache.read_text())
+        if saved["prompts"] == prompts and saved["max_new_tokens"] == spec.response_tokens:
+            return prompts, saved["responses"]
+    responses = greedy_responses(target, prompts, spec.response_tokens, tokenizer.eos_token_id)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"prompts": prompts, "max_new_tokens": spec.response_tokens, "responses": responses}))
+    return prompts, responses
 
 
 def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> Path:
@@ -268,9 +291,8 @@ def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> P
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, tokenizer = load_target(Path(spec.out_dir) / kind, dtype=dtype, device=device)
     drafter = speculators.SpeculatorModel.from_pretrained(str(out)).to(device, dtype).eval()
-    prompts = [json.loads(line)["prompt"] for line in (Path(spec.out_dir) / "prompts" / "heldout.jsonl").open()]
-    rounds = evaluate_pair(target, tokenizer, drafter, drafter_type, prompts, spec.prompt_tokens,
-                           spec.response_tokens)
+    prompts, responses = heldout_responses(spec, kind, target, tokenizer)
+    rounds = evaluate_pair(target, drafter, drafter_type, prompts, responses, spec.response_tokens)
     result = summarize(rounds, drafter.block_size - 1, spec.bootstrap, spec.seed)
     result.update(drafter=drafter_type, target=kind, block_size=drafter.block_size, device=str(device))
     save_records(to_records(rounds), out / "records.jsonl")

@@ -1,0 +1,138 @@
+"""Side-by-side greedy runs of one target under several speculative configs, in one process
+(``examples/vllm_compare.py`` is its command line; ``hybridspec demo`` uses it on the reference models).
+
+For every config: greedy outputs on the same prompts (compared token for token with the first config,
+normally plain decoding), output tokens/s at batch size 1 (prompts one after another) and with all
+prompts submitted at once, spec-decode acceptance counters, and the KV-cache capacity the engine
+reports. Results go to ``--out`` as JSON and a table on stdout.
+
+    python examples/vllm_compare.py --target models/hybrid \\
+        --config plain=none \\
+        --config hspec='{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7}' \\
+        --config dflash='{"method": "dflash", "model": "models/hybrid-dflash", "num_speculative_tokens": 7}' \\
+        --prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --out compare.json
+
+Full-size shapes without weights: ``--load-format dummy --hf-overrides '{...}'`` and
+``--random-prompts`` (token ids). On the H200 pass
+``--additional-config '{"gdn_prefill_backend": "triton"}'`` for GDN targets
+(../shared/device/README.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the scheduler's KV config is readable
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def spec_counters(llm) -> dict[str, float]:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and not m.name.endswith("per_pos"):
+            out[m.name.removeprefix("vllm:spec_decode_")] = float(m.value)
+    return out
+
+
+def kv_capacity_tokens(llm) -> int:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    core = llm.llm_engine.engine_core.engine_core
+    return int(get_kv_cache_capacity(llm.llm_engine.vllm_config, core.scheduler.kv_cache_config)[0])
+
+
+def load_prompts(args) -> list[dict]:
+    """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's ``prompt`` texts."""
+    import torch
+
+    if args.random_prompts:
+        gen = torch.Generator().manual_seed(args.seed)
+        lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
+        return [{"prompt_token_ids": torch.randint(0, args.vocab, (int(n),), generator=gen).tolist()}
+                for n in lengths]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    return [{"prompt_token_ids": tokenizer(r["prompt"], add_special_tokens=False).input_ids} for r in rows]
+
+
+def run_config(name: str, spec, args, prompts) -> dict:
+    """Start an engine for ``spec`` (``None``: plain decoding), measure, shut it down; ``args`` carries
+    the engine settings (the command line's namespace)."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
+    for key, raw in (("hf_overrides", args.hf_overrides), ("additional_config", args.additional_config)):
+        if raw:
+            extra[key] = json.loads(raw)
+    llm = LLM(model=args.target, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_mem, enforce_eager=args.enforce_eager,
+              load_format=args.load_format,
+              speculative_config=spec, disable_log_stats=False, **extra)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = spec_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    batch_s = time.perf_counter() - t0
+    after = spec_counters(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    counters = {k: after[k] - before.get(k, 0.0) for k in after}
+    bs1_tokens, t0 = 0, time.perf_counter()
+    for p in prompts[: args.bs1_prompts]:
+        bs1_tokens += len(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    bs1_s = time.perf_counter() - t0
+    result = {
+        "name": name,
+        "speculative_config": spec,
+        "kv_capacity_tokens": kv_capacity_tokens(llm),
+        "batch_tokens_per_s": sum(map(len, tokens)) / batch_s,
+        "batch_size": len(prompts),
+        "bs1_tokens_per_s": bs1_tokens / bs1_s if args.bs1_prompts else None,
+        "bs1_prompts": args.bs1_prompts,
+        "spec_counters": counters,
+        "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / counters["num_drafts"])
+        if counters.get("num_drafts") else None,
+        "outputs": tokens,
+    }
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def summary_table(results: list[dict], num_prompts: int) -> str:
+    """One line per config; ``identical`` counts prompts whose output equals the first config's."""
+    reference = next((r for r in results if "outputs" in r), None)
+    lines = [f"{'config':<12} {'identical':>10} {'kv tokens':>11} {'tok/s bs1':>10} {'tok/s batch':>12} {'accept len':>10}"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['name']:<12} ERROR {r['error'][:100]}")
+            continue
+        r["identical_prompts"] = sum(a == b for a, b in zip(r["outputs"], reference["outputs"]))
+        acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
+        lines.append(f"{r['name']:<12} {r['identical_prompts']:>4}/{num_prompts:<5} {r['kv_capacity_tokens']:>11} "
+                     f"{r['bs1_tokens_per_s'] or float('nan'):>10.1f} {r['batch_tokens_per_s']:>12.1f} {acc:>10}")
+    return "\n".join(lines)
+
+
+def run_all(configs: list[tuple[str, dict | None]], args, prompts, out: str | None = None) -> list[dict]:
+    """Every config in turn; a failing one is recorded with its error and the others still run."""
+    results = []
+    for name, spec in configs:
+        try:
+            results.append(run_config(name, spec, args, prompts))
+        except Exception as e:
+            results.append({"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"})
+            print(f"[{name}] failed: {type(e).__name__}: {e}", flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f)
+    return results
