@@ -219,3 +219,21 @@ def test_batched_needs_batched_costs(target_dir, hspec_dir, tmp_path):
     policy = confidence_policy(tmp_path / "p.json")
     with pytest.raises(ValueError, match=r"hybridspec.batched=True needs a policy file with a 'batched'"):
         make_llm(target_dir, spec(hspec_dir, policy=policy, batched=True))
+
+
+# --- DFlash (vLLM's own drafter) through the adapter ----------------------------------------------
+
+
+def test_dflash_adapter_selects_lengths_greedy_identity(target_dir, plain, tmp_path):
+    """The random 2-layer DFlash drafter's top-1 probabilities lie around 0.22..0.28 (from its draft
+    logits, no second lm-head pass), so the policy's midpoint sits there."""
+    from .conftest import save_dflash
+
+    dflash = save_dflash(target_dir, tmp_path / "dflash", num_layers=2)
+    policy = confidence_policy(tmp_path / "p.json", slope=80.0, midpoint=0.25)
+    llm = make_llm(target_dir, {"method": "dflash", "model": str(dflash), "num_speculative_tokens": K,
+                                "hybridspec": {"policy": policy}}, disable_log_stats=False)
+    assert type(drafter_of(llm)).__name__ == "RunnerDFlashProposer"
+    assert token_ids(llm.generate(prompts(), GREEDY)) == plain
+    rows = check_scheduled_equals_selected(llm)
+    assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
