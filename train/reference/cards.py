@@ -39,3 +39,52 @@ Greedy continuation of `{r['sample'][:30]!r}...`:
 {r['sample']}
 ```
 """
+
+
+def drafter_card(out: Path) -> str:
+    """Card of a drafter directory from ``train_summary.json``, ``recipe.yaml`` and ``eval.json``."""
+    import yaml
+
+    s = json.loads((out / "train_summary.json").read_text())
+    r = yaml.safe_load((out / "recipe.yaml").read_text())
+    e = json.loads((out / "eval.json").read_text())
+    name = {"hspec": "H-Spec", "dflash": "DFlash"}[s["drafter"]]
+    d, t = r["data"], r["training"]
+    timing = (f"{s['train_seconds'] / 60:.1f} min on {s['device']}" if "train_seconds" in s
+              else "one NVIDIA H200 (time per drafter not recorded by this build: the four drafters, response "
+                   "generation and hidden-state capture included, took about 13 minutes)")
+    val = s.get("val_last", {})
+    rows = "\n".join(
+        f"| {k + 1} | {a:.3f} | [{lo:.3f}, {hi:.3f}] |" for k, (a, (lo, hi)) in enumerate(zip(e["alpha"], e["alpha_ci95"]))
+    )
+    return f"""# {name} drafter for the reference {e['target']} target
+
+Built by `hybridspec models` (vllm-hybridspec, `train/reference/`) with `train/`'s recipe
+(`recipe.yaml`): a tiny drafter for tests and demos of speculative decoding. Use it with
+`--speculative-config '{{"method": "{'hspec' if s['drafter'] == 'hspec' else 'dflash'}", "model": "{out}", "num_speculative_tokens": {e['block_size'] - 1}}}'`
+and the target `{s['target']}`.
+
+| | |
+|---|---|
+| drafter | {name}, block size {e['block_size']} ({e['block_size'] - 1} draft tokens), {s['trainable_parameters'] / 1e6:.2f} M trainable parameters, {_size_mb(out):.1f} MB (bf16 safetensors) |
+| target layers | hidden states of {s['target_layer_ids']}{'; K/V read in place from ' + str(s['kv_reuse_layer_ids']) if s['drafter'] == 'hspec' else ''} |
+| data | the target's greedy responses ({d['max_new_tokens']} tokens, temperature {d['temperature']}) to {d['max_prompts']} prompts of up to {d['max_prompt_tokens']} tokens cut from train-split files (`../prompts/train.jsonl`); {d['val_fraction']:.2%} held out for validation |
+| training | {t['epochs']} epochs, {s['steps']} steps, lr {t['lr']}, seed {r['seed']}; {timing} |
+| loss | {s['train_loss_first']:.3f} first step, {s['train_loss_last']:.3f} last step (train); validation CE {val.get('ce_loss_epoch', float('nan')):.3f}, validation acceptance length {val.get('eal_epoch', float('nan')):.2f} |
+
+## Acceptance on held-out prompts (outside vLLM)
+
+Target and drafter in plain PyTorch on {e['device']}, greedy, every round verifies all {e['block_size'] - 1}
+draft tokens; {e['rounds']} untruncated rounds of {e['prompts']} held-out prompts (`../prompts/heldout.jsonl`),
+95% intervals from {e['bootstrap']} bootstrap resamples of prompts.
+
+Mean accepted length (tokens per round, bonus token included): **tau = {e['tau']:.3f}**
+[{e['tau_ci95'][0]:.3f}, {e['tau_ci95'][1]:.3f}].
+
+| block position k | P(accepted >= k) | 95% interval |
+|---|---|---|
+{rows}
+
+The rounds are in `records.jsonl` (the length policy's round-record format), for
+`hybridspec calibrate fit` / `hybridspec simulate`.
+"""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 from vllm_hybridspec.train.recipe import DrafterSpec, Recipe, TargetSpec, TrainingSpec
@@ -91,7 +92,9 @@ def stage_drafter(spec, kind: str, drafter: str, force: bool = False) -> Path:
     if drafter != "hspec" and (hspec_data / "capture.json").exists() and not (work / "data").exists():
         # same prompts, target and layers: train_from_recipe reuses the capture (its manifest matches)
         shutil.copytree(hspec_data, work / "data")
+    start = time.perf_counter()
     result = train_from_recipe(recipe)
+    seconds = time.perf_counter() - start
 
     import speculators
 
@@ -101,7 +104,9 @@ def stage_drafter(spec, kind: str, drafter: str, force: bool = False) -> Path:
     if out.exists():
         shutil.rmtree(out)
     model.to(torch.bfloat16).save_pretrained(out)
-    (out / "train_summary.json").write_text(json.dumps(result.summary, indent=2, default=float))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    summary = {**result.summary, "train_seconds": seconds, "device": device}
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=float))
     shutil.copy(work / "metrics.jsonl", out / "metrics.jsonl")
     (out / "recipe.yaml").write_text(recipe.to_yaml())
     return out

@@ -298,6 +298,9 @@ def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> P
     save_records(to_records(rounds), out / "records.jsonl")
     load_records(out / "records.jsonl")  # the policy's own validation
     (out / "eval.json").write_text(json.dumps(result, indent=2))
+    from vllm_hybridspec.train.reference.cards import drafter_card
+
+    (out / "README.md").write_text(drafter_card(out))
     return out
 
 
