@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vllm_hybridspec.bench.cli import bench, report
+from vllm_hybridspec.bench.cli import bench, replay_record, report
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
@@ -50,6 +50,7 @@ app.command("train")(train)
 app.command("models")(models)
 app.command("bench")(bench)
 app.command("report")(report)
+app.command("replay-record")(replay_record)
 
 
 def main() -> None:  # pragma: no cover - console entry point

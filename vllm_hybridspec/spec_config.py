@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vllm_hybridspec.bench.replay import REPLAY_METHOD, resolve_replay_speculative_config
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
 from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
 from vllm_hybridspec.options import ADDITIONAL_CONFIG_KEY, parse_options
@@ -52,13 +53,17 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> tup
     the workers as ``additional_config["hybridspec"]``."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
-    spec = _resolve_method(spec, target_model_config)
+    extra: dict[str, Any] = {}
+    if spec.get("method") == REPLAY_METHOD:  # benchmarking only (bench/replay.py)
+        spec, extra = resolve_replay_speculative_config(spec, target_model_config)
+    else:
+        spec = _resolve_method(spec, target_model_config)
     if raw_options is None:
-        return spec, {}
+        return spec, extra
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
-    return spec, {ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
+    return spec, {**extra, ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
 
 
 def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]:
@@ -72,8 +77,8 @@ def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]
         valid = vllm_speculative_methods()
         if method is not None and method not in valid and method != "[ngram]":
             raise ValueError(
-                f"unknown speculative method {method!r}; valid methods are {[*valid, HSPEC_METHOD]} "
-                f"({HSPEC_METHOD!r} comes from vllm-hybridspec)"
+                f"unknown speculative method {method!r}; valid methods are {[*valid, HSPEC_METHOD, REPLAY_METHOD]} "
+                f"({HSPEC_METHOD!r} and {REPLAY_METHOD!r}, for benchmarking only, come from vllm-hybridspec)"
             )
         return spec
 

@@ -561,3 +561,54 @@ def patch_cpu_expand_batch_to_tokens() -> None:
         raise RuntimeError(f"vLLM changed: expand_batch_to_tokens takes "
                            f"{list(inspect.signature(original).parameters)}, expected {expected}")
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens_torch
+
+
+# --------------------------------------------------------------------------------------------------
+# The replay proposer (benchmarking only; vllm_hybridspec/bench/replay_proposer.py, issue 7).
+# --------------------------------------------------------------------------------------------------
+
+CUSTOM_CLASS_METHOD = "custom_class"
+# What vLLM 0.26's GPUModelRunner.propose_draft_token_ids passes to a "custom_class" proposer.
+CUSTOM_CLASS_PROPOSE_CALL = (
+    "propose(",
+    "sampled_token_ids,",
+    "self.input_batch.num_tokens_no_spec,",
+    "self.input_batch.token_ids_cpu,",
+    "slot_mappings=slot_mappings,",
+)
+
+
+def check_custom_class_proposer_interface() -> None:
+    """Raise ``RuntimeError`` unless vLLM still drives ``method="custom_class"`` proposers the way
+    ``ReplayBenchProposer`` expects:
+
+    * ``"custom_class"`` is one of ``vllm.config.speculative.SpeculativeMethod`` and
+      ``SpeculativeConfig`` accepts it with ``model`` = the class's dotted path;
+    * ``vllm.v1.spec_decode.custom_class_proposer.create_custom_proposer`` constructs the class with
+      the ``VllmConfig`` alone;
+    * ``GPUModelRunner.propose_draft_token_ids`` (``vllm/v1/worker/gpu_model_runner.py``) calls
+      ``drafter.propose(sampled_token_ids, input_batch.num_tokens_no_spec, input_batch.token_ids_cpu,
+      slot_mappings=...)`` and takes back one list of draft ids per input-batch row, with
+      ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` = row i's prompt + output so far (its
+      ``_bookkeeping_sync`` has appended the step's sampled tokens).
+
+    Why: this is vLLM's extension point for a proposer that is neither a model nor a built-in method
+    (the runner's ``if method == ...`` chain calls it); it is marked experimental in vLLM 0.26, so a
+    change must surface here and not as wrong drafts in a benchmark."""
+    import re
+
+    from vllm.v1.spec_decode import custom_class_proposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if CUSTOM_CLASS_METHOD not in vllm_speculative_methods():
+        raise RuntimeError(f"vLLM changed: speculative method {CUSTOM_CLASS_METHOD!r} no longer exists "
+                           f"(written for vLLM {SUPPORTED_VLLM})")
+    if "user_class(vllm_config)" not in inspect.getsource(custom_class_proposer.create_custom_proposer):
+        raise RuntimeError("vLLM changed: create_custom_proposer no longer constructs the proposer class with "
+                           f"the VllmConfig alone (written for vLLM {SUPPORTED_VLLM})")
+    source = re.sub(r"\s+", "", inspect.getsource(GPUModelRunner.propose_draft_token_ids))
+    branch = source.split(f'elifspec_config.method=="{CUSTOM_CLASS_METHOD}":', 1)
+    call = "".join(CUSTOM_CLASS_PROPOSE_CALL)
+    if len(branch) != 2 or call not in branch[1].split("elif", 1)[0]:
+        raise RuntimeError(f"vLLM changed: GPUModelRunner.propose_draft_token_ids no longer calls a "
+                           f"{CUSTOM_CLASS_METHOD!r} proposer as {call} (written for vLLM {SUPPORTED_VLLM})")

@@ -109,3 +109,36 @@ def report(
         typer.echo(f"hybridspec report: error: {e}", err=True)
         raise typer.Exit(2)
     typer.echo(f"report: {path}")
+
+
+def replay_record(
+    model: str = typer.Option(..., help="the target, as the benchmark server loads it"),
+    out: Path = typer.Option(..., "--out", "-o", help="continuations JSONL for the replay_bench proposer"),
+    prompts: Path = typer.Option(None, help="JSONL prompts, as for `hybridspec bench`"),
+    dataset: str = typer.Option(None, help="a `datasets` name to take prompts from instead"),
+    dataset_split: str = typer.Option("train"),
+    prompt_field: str = typer.Option("prompt"),
+    output_len: int = typer.Option(256, help="the benchmark's --output-len"),
+    num_speculative_tokens: int = typer.Option(15, help="the largest K the replay will propose; recorded past "
+                                                        "output-len by this many tokens"),
+    load_format: str = typer.Option("auto", help="'dummy' for random weights (vLLM seeds them per parameter, "
+                                                 "so the server gets the same ones)"),
+    dtype: str = typer.Option("auto"),
+    max_model_len: int = typer.Option(None),
+    tensor_parallel_size: int = typer.Option(1),
+    trust_remote_code: bool = typer.Option(False),
+) -> None:
+    """For benchmarking only: record the target's greedy continuations of the benchmark prompts (plain
+    decoding, EOS ignored) for the replay_bench proposer (docs/bench.md, "Replayed acceptance")."""
+    from vllm_hybridspec.bench.replay import record_continuations
+
+    try:
+        prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
+    except ValueError as e:
+        _fail(str(e), 2)
+    kwargs = dict(load_format=load_format, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                  trust_remote_code=trust_remote_code)
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    n = record_continuations(model, prompt_list, output_len, num_speculative_tokens, out, **kwargs)
+    typer.echo(f"recorded {n} greedy continuations of {output_len} + {num_speculative_tokens} tokens to {out}")

@@ -1,0 +1,271 @@
+"""Replayed acceptance, for benchmarking only (issue 7, deliverable 3).
+
+Measuring a full-size target (e.g. the Qwen3.6-35B-A3B shape) needs no trained weights if the
+draft's acceptance is replayed rather than produced: under greedy decoding, speculation does not
+change the output, so each request's continuation can be recorded once by plain decoding and
+proposed back to the target during the measured run, corrupted at a rejection point ``A`` drawn from
+recorded rounds (``policy/records.py``). Exactly ``A`` drafts are then accepted (``A = K``: all of
+them), and the round carries the recorded round's top-1 confidences and entropies, so a length
+policy sees realistic signals. The proposer itself is ``replay_proposer.ReplayBenchProposer``.
+
+Two files:
+
+* continuations (JSONL, :func:`record_continuations`), one request per line::
+
+      {"prompt_token_ids": [...], "output_token_ids": [...], "max_tokens": 256}
+
+  ``output_token_ids``: the target's greedy continuation (EOS ignored), recorded ``K`` tokens past
+  ``max_tokens`` (the benchmark's output length) so the last rounds' drafts are known too.
+  No prompt may be a prefix of another (the proposer finds a request's prompt by its tokens).
+* round records: the ``policy/records.py`` format; rounds cut by EOS or the output limit
+  (``truncated``) are not replayed, and ``D >= K`` is needed (position ``i`` of a draft of ``K``
+  replays position ``i`` of the record; ``A = min(A_D, K)``).
+
+Draws are deterministic: the round replayed at output position ``g`` of a prompt is a function of
+``(seed, prompt tokens, g)`` only, so every configuration benchmarked (verify-all, a length policy,
+another batch size) replays the same rounds at the same places.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_hybridspec.policy.errors import InputError
+from vllm_hybridspec.policy.records import load_records
+
+
+@dataclass
+class ReplayRounds:
+    """The replayable rounds of a records file, cut to ``K`` draft positions."""
+
+    accepted: np.ndarray  # [R] int64, min(A_D, K)
+    conf: np.ndarray      # [R, K] float32, top-1 probability per draft position
+    ent: np.ndarray       # [R, K] float32, entropy (nats) per draft position
+
+    @property
+    def mean_accepted(self) -> float:
+        return float(self.accepted.mean())
+
+    @property
+    def std_accepted(self) -> float:
+        return float(self.accepted.std())
+
+
+def load_replay_rounds(path: str | Path, k: int) -> ReplayRounds:
+    """Read a round-records file for a draft of ``k`` tokens; :class:`InputError` names the problem."""
+    records = load_records(path)  # validates line by line
+    d = records[0].draft_len
+    if d < k:
+        raise InputError(f"records file '{path}' holds rounds of D = {d} draft tokens, but the replay "
+                         f"proposes K = num_speculative_tokens = {k}; record rounds with D >= {k} or lower "
+                         f"num_speculative_tokens to at most {d}")
+    kept = [r for r in records if not r.truncated]
+    if not kept:
+        raise InputError(f"records file '{path}' holds only truncated rounds (cut by EOS or the output "
+                         f"limit); the replay needs at least one complete round")
+    return ReplayRounds(
+        accepted=np.minimum(np.array([r.accepted for r in kept], dtype=np.int64), k),
+        conf=np.array([r.conf[:k] for r in kept], dtype=np.float32),
+        ent=np.array([r.ent[:k] for r in kept], dtype=np.float32),
+    )
+
+
+@dataclass
+class Continuation:
+    prompt: np.ndarray  # [L] int64
+    output: np.ndarray  # [M + K] int64, the greedy continuation
+    max_tokens: int     # M, the benchmark's output length
+    key: int            # stable 63-bit hash of the prompt tokens
+
+
+def prompt_key(prompt: np.ndarray) -> int:
+    digest = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Continuations:
+    """The recorded greedy continuations, found by the tokens of a request (prompt + output so far)."""
+
+    def __init__(self, entries: list[Continuation], path: str = "<memory>"):
+        if not entries:
+            raise InputError(f"continuations file '{path}' holds no requests")
+        self.entries = entries
+        self.path = path
+        self.min_prompt_len = min(len(e.prompt) for e in entries)
+        self._by_head: dict[bytes, list[Continuation]] = {}
+        for e in entries:
+            self._by_head.setdefault(e.prompt[: self.min_prompt_len].tobytes(), []).append(e)
+        for group in self._by_head.values():
+            for a in group:
+                for b in group:
+                    if a is not b and len(a.prompt) <= len(b.prompt) and np.array_equal(b.prompt[: len(a.prompt)],
+                                                                                         a.prompt):
+                        what = "appears twice" if len(a.prompt) == len(b.prompt) else (
+                            f"is a prefix of another prompt ({len(b.prompt)} tokens)")
+                        raise InputError(f"continuations file '{path}': the prompt of {len(a.prompt)} tokens "
+                                         f"starting {a.prompt[:8].tolist()} {what}; the replay finds a "
+                                         f"request's prompt by its tokens, so each must be unique and none a "
+                                         f"prefix of another")
+
+    def find(self, tokens: np.ndarray) -> Continuation | None:
+        """The entry whose prompt starts ``tokens`` (a request's prompt + output so far), or ``None``."""
+        if len(tokens) < self.min_prompt_len:
+            return None
+        for e in self._by_head.get(tokens[: self.min_prompt_len].tobytes(), ()):
+            if len(tokens) >= len(e.prompt) and np.array_equal(tokens[: len(e.prompt)], e.prompt):
+                return e
+        return None
+
+
+def load_continuations(path: str | Path) -> Continuations:
+    """Read a continuations JSONL file; :class:`InputError` names the line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"continuations file '{path}' does not exist; record one with "
+                         f"`hybridspec replay-record` (plain greedy decoding of the benchmark prompts)")
+    entries: list[Continuation] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected a JSON object with 'prompt_token_ids', 'output_token_ids' "
+                                 f"and 'max_tokens', got {type(obj).__name__}")
+            fields = {}
+            for name in ("prompt_token_ids", "output_token_ids"):
+                v = obj.get(name)
+                if not (isinstance(v, list) and v and all(isinstance(t, int) and t >= 0 for t in v)):
+                    raise InputError(f"{where}: field '{name}' must be a non-empty list of token ids "
+                                     f"(integers >= 0), got {str(v)[:80]}")
+                fields[name] = np.array(v, dtype=np.int64)
+            m = obj.get("max_tokens")
+            if not (isinstance(m, int) and 1 <= m <= len(fields["output_token_ids"])):
+                raise InputError(f"{where}: field 'max_tokens' must be an integer in 1..len(output_token_ids) = "
+                                 f"{len(fields['output_token_ids'])}, got {m!r}")
+            extra = set(obj) - {"prompt_token_ids", "output_token_ids", "max_tokens"}
+            if extra:
+                raise InputError(f"{where}: unknown fields {sorted(extra)}; valid are 'prompt_token_ids', "
+                                 f"'output_token_ids', 'max_tokens'")
+            prompt = fields["prompt_token_ids"]
+            entries.append(Continuation(prompt, fields["output_token_ids"], m, prompt_key(prompt)))
+    return Continuations(entries, str(path))
+
+
+def save_continuations(entries: list[tuple[list[int], list[int], int]], path: str | Path) -> None:
+    """``entries``: (prompt token ids, output token ids, max_tokens) per request."""
+    with Path(path).open("w") as f:
+        for prompt, output, m in entries:
+            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output),
+                                "max_tokens": m}) + "\n")
+
+
+def replayed_rounds(seed: int, key: int, num_positions: int, num_rounds: int) -> np.ndarray:
+    """[num_positions] int64: the record index replayed at each output position of the request whose
+    prompt hashes to ``key``, uniform over ``0..num_rounds-1`` and a function of ``(seed, key)`` only."""
+    return np.random.default_rng([seed, key]).integers(num_rounds, size=num_positions)
+
+
+def corrupt(draft: np.ndarray, accepted: int, vocab_size: int) -> np.ndarray:
+    """``draft`` (the target's own next tokens) with position ``accepted`` replaced by another token,
+    so a greedy target accepts exactly ``min(accepted, len(draft))`` of them."""
+    draft = draft.copy()
+    if accepted < len(draft):
+        draft[accepted] = (draft[accepted] + 1) % vocab_size
+    return draft
+
+
+def record_continuations(model: str, prompts: list, max_tokens: int, extra_tokens: int, out: str | Path,
+                         **llm_kwargs) -> int:
+    """Plain greedy decoding of ``prompts`` (text or token-id lists) through ``vllm.LLM``, EOS ignored,
+    ``max_tokens + extra_tokens`` tokens each (``extra_tokens`` >= the replay's K); writes the
+    continuations file and returns the number of requests. ``llm_kwargs`` go to ``vllm.LLM``
+    (use the benchmark server's dtype and model settings: the replay needs the same greedy tokens)."""
+    from vllm import LLM, SamplingParams
+
+    if max_tokens < 1 or extra_tokens < 0:
+        raise InputError(f"max_tokens must be >= 1 and extra_tokens >= 0, got {max_tokens} and {extra_tokens}")
+    inputs = [{"prompt_token_ids": list(p)} if isinstance(p, list) else p for p in prompts]
+    llm = LLM(model=model, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + extra_tokens, ignore_eos=True)
+    outputs = llm.generate(inputs, params)
+    seen: set[tuple[int, ...]] = set()
+    entries = []
+    for o in outputs:
+        prompt = tuple(o.prompt_token_ids)
+        if prompt in seen:  # a benchmark cycles its prompts; one line each
+            continue
+        seen.add(prompt)
+        entries.append((list(prompt), list(o.outputs[0].token_ids), max_tokens))
+    save_continuations(entries, out)
+    return len(entries)
+
+
+# --- the speculative config: {"method": "replay_bench", "replay_bench": {...}} ------------------------
+
+REPLAY_METHOD = "replay_bench"
+REPLAY_CONFIG_KEY = "replay_bench"  # the sub-dict of --speculative-config and of additional_config
+REPLAY_PROPOSER_CLASS = "vllm_hybridspec.bench.replay_proposer.ReplayBenchProposer"
+
+
+def parse_replay_options(raw, k: int, vocab_size: int | None = None) -> dict:
+    """Validate the ``"replay_bench"`` sub-dict ``{"records": path, "continuations": path, "seed": int}``
+    against ``K`` and the target's vocabulary (both files are read); returns it normalised. Raises
+    ``ValueError`` (``InputError``) naming the bad key, file, line or field."""
+    if not isinstance(raw, dict):
+        raise InputError(f'"{REPLAY_CONFIG_KEY}" in --speculative-config must be a JSON object '
+                         f'{{"records": ..., "continuations": ..., "seed": 0}}, got {raw!r}')
+    unknown = set(raw) - {"records", "continuations", "seed"}
+    if unknown:
+        raise InputError(f'unknown "{REPLAY_CONFIG_KEY}" keys {sorted(unknown)}; valid are "records" (round-records '
+                         f'JSONL), "continuations" (`hybridspec replay-record` JSONL) and "seed"')
+    for name in ("records", "continuations"):
+        if not isinstance(raw.get(name), str):
+            raise InputError(f'"{REPLAY_CONFIG_KEY}" needs "{name}": a file path, got {raw.get(name)!r}')
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f'"{REPLAY_CONFIG_KEY}.seed" must be an integer >= 0, got {seed!r}')
+    load_replay_rounds(raw["records"], k)
+    continuations = load_continuations(raw["continuations"])
+    if vocab_size is not None:
+        for e in continuations.entries:
+            top = int(max(e.prompt.max(), e.output.max()))
+            if top >= vocab_size:
+                raise InputError(f"continuations file '{continuations.path}': token id {top} (prompt starting "
+                                 f"{e.prompt[:8].tolist()}) is outside the target's vocabulary of {vocab_size}; "
+                                 f"was it recorded with another model?")
+    return {"records": str(Path(raw["records"]).resolve()),
+            "continuations": str(Path(raw["continuations"]).resolve()), "seed": seed}
+
+
+def resolve_replay_speculative_config(spec: dict, target_model_config) -> tuple[dict, dict]:
+    """``{"method": "replay_bench", "num_speculative_tokens": K, "replay_bench": {...}}`` as vLLM's
+    ``"custom_class"`` method with :class:`~vllm_hybridspec.bench.replay_proposer.ReplayBenchProposer`;
+    the validated options travel to the workers in ``additional_config["replay_bench"]``."""
+    spec = dict(spec)
+    raw = spec.pop(REPLAY_CONFIG_KEY, None)
+    if raw is None:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" (benchmarking only) needs "{REPLAY_CONFIG_KEY}": '
+                         f'{{"records": <round records JSONL>, "continuations": <continuations JSONL>}}')
+    if spec.get("model") is not None:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" replays recorded continuations and takes no '
+                         f'"model" (got {spec["model"]!r})')
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" needs "num_speculative_tokens" >= 1, got {k!r}')
+    from vllm_hybridspec.vllm_internals import check_custom_class_proposer_interface, check_vllm_version
+
+    check_vllm_version()
+    check_custom_class_proposer_interface()
+    vocab = target_model_config.get_vocab_size() if target_model_config is not None else None
+    options = parse_replay_options(raw, k, vocab)
+    return {**spec, "method": "custom_class", "model": REPLAY_PROPOSER_CLASS}, {REPLAY_CONFIG_KEY: options}
