@@ -60,3 +60,8 @@ def test_resolve_pops_options_into_additional_config():
     assert hybridspec_options(Config()) == HybridSpecOptions(gdn_kernel=False)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         resolve_speculative_config({"method": "ngram", "hybridspec": {}}, Target())
+
+
+def test_capture_is_refused_until_it_is_implemented(tmp_path):
+    with pytest.raises(ValueError, match=r"hybridspec.capture=.*records.jsonl.*not implemented yet"):
+        parse_options({"capture": str(tmp_path / "records.jsonl")}, 7)

@@ -74,6 +74,8 @@ class HybridSpecOptions(BaseModel):
             parent = Path(self.capture).expanduser().resolve().parent
             if not parent.is_dir():
                 raise ValueError(f"hybridspec.capture={self.capture!r}: directory {str(parent)!r} does not exist")
+            raise ValueError(f"hybridspec.capture={self.capture!r}: writing calibration records from inside vLLM is "
+                             "not implemented yet (issue 6, deliverable 3); leave \"capture\" out")
 
 
 def parse_options(raw: Any, num_speculative_tokens: int) -> HybridSpecOptions:
