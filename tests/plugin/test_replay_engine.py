@@ -109,3 +109,60 @@ def test_replay_greedy_identity_and_acceptance(target_dir, replay_setup):
         llm.generate([{"prompt_token_ids": stranger}], greedy)
     print(f"unknown prompt: {info.value}")
     assert "starting [94, 93, 92, 91, 90, 89, 88" in str(info.value) or "starting [94" in str(info.value)
+
+
+def confidence_policy(path, slope=15.0, midpoint=0.5, rate=0.35):
+    """Every draft token accepted with ``sigmoid(slope (conf - midpoint))``, cost ``C(w) = w``: a row
+    verifies ``w = 1 + #{i : p_i > rate}`` tokens, so the replayed confidences decide the lengths."""
+    from vllm_hybridspec.policy.acceptance import FEATURES
+    from vllm_hybridspec.policy.policy_file import PolicyFile
+
+    obj = {"draft_len": K, "min_length": 1,
+           "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
+                          "isotonic": [{"x": [0.0, 1.0], "y": [0.0, 1.0]}] * K,
+                          "coef": [slope, 0.0, 0.0, 0.0, 0.0], "intercept": -slope * midpoint},
+           "cost": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 1.0, 0.0], "fixed": 1.0,
+                    "curve": [float(w) for w in range(1, K + 2)]},
+           "rate": rate}
+    path.write_text(PolicyFile.model_validate(obj).model_dump_json())
+    return str(path)
+
+
+def test_replay_with_the_length_policy(target_dir, replay_setup, tmp_path):
+    """The policy picks lengths from the replayed confidences; outputs stay plain decoding's and vLLM's
+    counters still equal the replay's plan (cut drafts are neither drafted nor accepted)."""
+    s = replay_setup
+    config = {**spec(s), "hybridspec": {"policy": confidence_policy(tmp_path / "p.json")}}
+    llm = make_llm(target_dir, config, disable_log_stats=False)
+    proposer = drafter_of(llm)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in s["prompts"]], greedy)
+    plain = {tuple(r["prompt_token_ids"]): r["output_token_ids"][:MAX_TOKENS] for r in s["recorded"]}
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [plain[tuple(p)] for p in s["prompts"]]
+    metrics = {m.name: m for m in llm.get_metrics()}
+    counters = tuple(metrics[f"vllm:spec_decode_num_{n}"].value for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    stats = proposer.stats()
+    lengths = proposer.length_selector.stats()["rows_at_length"]
+    print(f"replay + policy: vLLM (drafts, draft tokens, accepted) {counters}; proposer {stats}; "
+          f"rows at length w {lengths}")
+    assert counters == (stats["rounds"], stats["draft_tokens"], stats["accepted_planned"])
+    assert stats["diverged_requests"] == 0
+    assert counters[1] < K * counters[0]                   # the policy cut drafts
+    assert len([w for w, c in lengths.items() if c]) >= 3  # at several lengths
+
+
+@pytest.mark.parametrize("replay, message", [
+    ({"continuations": "/nonexistent/c.jsonl"}, r"continuations file '/nonexistent/c.jsonl' does not exist"),
+    ({"records": "/nonexistent/r.jsonl"}, r"records file '/nonexistent/r.jsonl' does not exist"),
+    ({"seed": "x"}, r'"replay_bench.seed" must be an integer >= 0'),
+])
+def test_bad_replay_config_fails_at_engine_start(target_dir, replay_setup, replay, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(target_dir, spec(replay_setup, **replay))
+
+
+def test_records_shorter_than_k_fail_at_engine_start(target_dir, replay_setup):
+    config = {**spec(replay_setup), "num_speculative_tokens": D + 1}
+    with pytest.raises(ValueError, match=rf"D = {D} draft tokens, but the replay proposes K = "
+                                         rf"num_speculative_tokens = {D + 1}"):
+        make_llm(target_dir, config)
