@@ -8,6 +8,8 @@ import torch
 
 from vllm_hybridspec.gdn_layer import gdn_kernel_enabled, one_slot_state_shape
 
+from .kernels.gdn_inputs import rel_err
+
 
 def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloat16, tp=1):
     return SimpleNamespace(
@@ -48,3 +50,76 @@ def test_one_slot_state_is_the_plain_decoding_state_on_the_local_shard(tp):
     conv_dim = (2 * 16 * 128 + 32 * 128) // tp
     assert sorted(conv) == sorted((conv_dim, 3))  # K_conv - 1 columns whatever the layout, no spec columns
     assert ssm == (32 // tp, 128, 128)
+
+
+def bare_layer(gen, HK, HV, K, V, width, num_slots):
+    """An HSpecQwenGDN with only what the verify/commit code reads (no vLLM engine)."""
+    from torch import nn
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    from vllm_hybridspec.gdn_layer import HSpecQwenGDN
+
+    layer = HSpecQwenGDN.__new__(HSpecQwenGDN)
+    nn.Module.__init__(layer)
+    conv_dim = 2 * HK * K + HV * V
+    layer.tp_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim = 1, HK, HV, K, V
+    layer.key_dim, layer.value_dim, layer.activation = HK * K, HV * V, "silu"
+    layer.conv1d = SimpleNamespace(weight=torch.randn(conv_dim, 1, width, generator=gen) * 0.5,
+                                   bias=torch.randn(conv_dim, generator=gen) * 0.1)
+    layer.A_log = torch.log(1 + 15 * torch.rand(HV, generator=gen))
+    layer.dt_bias = torch.randn(HV, generator=gen) * 0.5 - 2.0
+    shape = (num_slots, conv_dim, width - 1) if is_conv_state_dim_first() else (num_slots, width - 1, conv_dim)
+    conv = torch.randn(*shape, generator=gen)
+    return layer, conv
+
+
+def test_gpu_verify_and_commit_equal_the_cpu_path():
+    """The GPU path's glue (``gdn_verify`` + ``gdn_commit`` through ``_verify_gpu`` /
+    ``_commit_states_gpu``, run by Triton's interpreter on CPU tensors) against the CPU path
+    (``chunk_verify`` + ``reconstruct_state``) on the same round: outputs, states and conv windows.
+    The two paths read the pool in their platforms' layouts (CPU ops: ``[HV, K, V]`` view = ``S^T``)."""
+    from vllm_hybridspec.gdn_layer import _commit_states_gpu
+    from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    # a batch of 5 rows; rows 0, 2, 3 and 4 are spec rows with 1 + drafts tokens
+    lengths, rows, slots, commit = [3, 1, 5, 4], [0, 2, 3, 4], [7, 2, 5, 0], [2, 1, 5, 3]  # slot 0: padding
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    md = SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
+                         spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
+                         spec_sequence_masks=torch.tensor([True, False, True, True, True]))
+    T = cu[-1]
+    x = torch.randn(T, 2 * HK * K + HV * V, generator=gen)
+    b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2  # the states, [HV, V, K] per slot
+    num_committed = [0] * 5
+    for row, m in zip(rows, commit):
+        num_committed[row] = m
+
+    cpu_pool = S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K)  # CPU ops: view [HV, K, V] = S^T
+    layer.kv_cache = (conv.clone(), cpu_pool)
+    o_cpu = layer._verify_cpu(md, x, b, a)
+    # verify writes nothing to the pool
+    assert torch.equal(layer.kv_cache[0], conv)
+    assert torch.equal(cpu_pool, S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K))
+    layer.commit_state_cpu(num_committed)
+    layer.commit_conv(num_committed)
+    cpu_states = vllm_cpu_gdn_paths().ssm_view(layer).transpose(-1, -2)  # back to [HV, V, K]
+    cpu_conv = layer.kv_cache[0]
+
+    gpu_pool = S.clone()  # CUDA layout: pool[slot] = S
+    layer.kv_cache = (conv.clone(), gpu_pool)
+    o_gpu = layer._verify_gpu(md, x, b, a)
+    assert torch.equal(gpu_pool, S)
+    _commit_states_gpu([layer], torch.tensor(num_committed))
+    layer.commit_conv(num_committed)
+
+    spec_tokens = cu[3]  # the padding row (slot 0) is skipped by both
+    assert rel_err(o_gpu[:spec_tokens], o_cpu[:spec_tokens]) < 1e-4
+    assert rel_err(gpu_pool, cpu_states) < 1e-4
+    assert torch.equal(layer.kv_cache[0], cpu_conv)
+    for slot, m in zip(slots[:3], commit[:3]):  # the committed states moved, untouched slots did not
+        assert rel_err(gpu_pool[slot], S[slot]) > 1e-3, slot
+    assert torch.equal(gpu_pool[1], S[1]) and torch.equal(gpu_pool[0], S[0])

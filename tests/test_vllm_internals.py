@@ -343,6 +343,17 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
         method = inspect.getattr_static(cls, "get_mamba_state_shape_from_config", None)
         assert method is not None and isinstance(method, classmethod), name
         assert list(inspect.signature(cls.get_mamba_state_shape_from_config).parameters) == ["vllm_config"]
+    # GPU: vLLM's custom op dispatches to the layer's _forward_core, which HSpecQwenGDN overrides and
+    # calls (for rows without drafts) on a dataclasses.replace of the metadata without spec rows
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    assert "self._forward_core(\n            mixed_qkv=qkv_or_qkvz," in inspect.getsource(
+        qwen_gdn_linear_attn.qwen_gdn_attention_core)
+    assert list(inspect.signature(QwenGatedDeltaNetAttention._forward_core).parameters) == [
+        "self", "mixed_qkv", "b", "a", "core_attn_out"]
+    assert dataclasses.is_dataclass(GDNAttentionMetadata)
+    assert {"num_accepted_tokens", "non_spec_query_start_loc", "non_spec_state_indices_tensor",
+            "prefill_query_start_loc", "prefill_state_indices"} <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
 
 
 def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics():

