@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
 
-from vllm_hybridspec.bench.replay import record_continuations
 from vllm_hybridspec.bench.replay_proposer import ReplayBenchProposer
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
@@ -21,8 +22,8 @@ from .conftest import drafter_of, make_llm
 pytestmark = pytest.mark.timeout(900)
 
 K, D, MAX_TOKENS, NUM_PROMPTS, NUM_RECORDS = 4, 6, 96, 8, 400
-ENGINE = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=512, seed=0)
+ENGINE = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
+          "max_num_seqs": 8, "max_num_batched_tokens": 512, "seed": 0}
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -55,11 +56,24 @@ def replay_setup(target_dir, tmp_path_factory):
     print(f"seed {seed}")
     ps = prompts(seed)
     cont = tmp / "continuations.jsonl"
-    assert record_continuations(str(target_dir), ps, MAX_TOKENS, K, cont, **ENGINE) == NUM_PROMPTS
+    prompt_file = tmp / "prompts.jsonl"
+    # a benchmark cycles its prompts: the recording keeps one line per prompt
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ps + ps[:3]))
+    result = subprocess.run([
+        sys.executable, "-m", "vllm_hybridspec.cli", "replay-record", "--model", str(target_dir), "-o", str(cont),
+        "--prompts", str(prompt_file), "--output-len", str(MAX_TOKENS), "--num-speculative-tokens", str(K),
+        "--dtype", "float32", "--max-model-len", "256", "--engine-args",
+        json.dumps({k: v for k, v in ENGINE.items() if k not in ("dtype", "max_model_len")})],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)
+    assert f"recorded {NUM_PROMPTS} greedy continuations of {MAX_TOKENS} + {K} tokens" in result.stdout
     recorded = [json.loads(line) for line in cont.read_text().splitlines()]
+    assert [r["prompt_token_ids"] for r in recorded] == ps
+    assert all(len(r["output_token_ids"]) == MAX_TOKENS + K and r["max_tokens"] == MAX_TOKENS for r in recorded)
     records = tmp / "rounds.jsonl"
     pool = synthetic_records(records, seed)
-    return dict(prompts=ps, cont=cont, records=records, pool=pool, recorded=recorded, seed=seed)
+    return {"prompts": ps, "cont": cont, "records": records, "pool": pool, "recorded": recorded, "seed": seed}
 
 
 def spec(setup, **replay):

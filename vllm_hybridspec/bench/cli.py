@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -127,6 +128,8 @@ def replay_record(
     max_model_len: int = typer.Option(None),
     tensor_parallel_size: int = typer.Option(1),
     trust_remote_code: bool = typer.Option(False),
+    engine_args: str = typer.Option("{}", help="more vllm.LLM arguments as a JSON object, e.g. "
+                                               "'{\"enforce_eager\": true}'"),
 ) -> None:
     """For benchmarking only: record the target's greedy continuations of the benchmark prompts (plain
     decoding, EOS ignored) for the replay_bench proposer (docs/bench.md, "Replayed acceptance")."""
@@ -136,9 +139,16 @@ def replay_record(
         prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
     except ValueError as e:
         _fail(str(e), 2)
-    kwargs = dict(load_format=load_format, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                  trust_remote_code=trust_remote_code)
+    kwargs = {"load_format": load_format, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
+              "trust_remote_code": trust_remote_code}
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
+    try:
+        more = json.loads(engine_args)
+    except json.JSONDecodeError as e:
+        more = e
+    if not isinstance(more, dict):
+        _fail(f"--engine-args must be a JSON object of vllm.LLM arguments, got {engine_args!r}", 2)
+    kwargs.update(more)
     n = record_continuations(model, prompt_list, output_len, num_speculative_tokens, out, **kwargs)
     typer.echo(f"recorded {n} greedy continuations of {output_len} + {num_speculative_tokens} tokens to {out}")

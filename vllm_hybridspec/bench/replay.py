@@ -164,9 +164,8 @@ def load_continuations(path: str | Path) -> Continuations:
 def save_continuations(entries: list[tuple[list[int], list[int], int]], path: str | Path) -> None:
     """``entries``: (prompt token ids, output token ids, max_tokens) per request."""
     with Path(path).open("w") as f:
-        for prompt, output, m in entries:
-            f.write(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output),
-                                "max_tokens": m}) + "\n")
+        f.writelines(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output),
+                                 "max_tokens": m}) + "\n" for prompt, output, m in entries)
 
 
 def replayed_rounds(seed: int, key: int, num_positions: int, num_rounds: int) -> np.ndarray:
