@@ -30,7 +30,9 @@ def tiny_hybrid(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("tiny_qwen3_next_fp32")
-    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB})
+    # pad_token_id: once an engine has loaded a qwen3_next model in this process, AutoConfig builds
+    # vLLM's Qwen3NextConfig, which has no default for it
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "pad_token_id": 0})
     config.architectures = ["Qwen3NextForCausalLM"]
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))  # fresh weights every run
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
@@ -154,7 +156,6 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
     from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
 
     target = tmp_path / "target"
-    # pad_token_id: once an engine has run in this process, AutoConfig's qwen3_next config lacks it
     config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "num_hidden_layers": 8, "pad_token_id": 0})
     config.architectures = ["Qwen3NextForCausalLM"]
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
