@@ -170,9 +170,24 @@ def save_curve(record: dict, out_dir: str | Path) -> None:
     plt.close(fig)
 
 
+def untie_for_vllm(model) -> None:
+    """Give a tied Qwen3-Next its own ``lm_head`` (a copy of the embedding; same function).
+
+    vLLM 0.26's ``Qwen3NextForCausalLM`` ignores ``tie_word_embeddings`` and expects an
+    ``lm_head.weight`` tensor; a tied checkpoint loads without error and then predicts a uniform
+    distribution (its LM head is never filled)."""
+    if model.config.model_type != "qwen3_next" or not model.config.tie_word_embeddings:
+        return
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+
+
 def save_target(model, tokenizer, out_dir: str | Path) -> None:
     """bf16 ``save_pretrained`` with the tokenizer and greedy generation defaults."""
     out_dir = Path(out_dir)
+    untie_for_vllm(model)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.do_sample = False
