@@ -10,6 +10,8 @@ finds matches in random text and some drafts are accepted."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -34,16 +36,24 @@ def tiny_hybrid(tmp_path_factory):
     # vLLM's Qwen3NextConfig, which has no default for it
     config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "pad_token_id": 0})
     config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))  # fresh weights every run
+    torch.manual_seed(fresh_seed("tiny hybrid weights"))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("prompts"))
     lengths = torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)
     return [{"prompt_token_ids": torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
+
+
+def fresh_seed(what: str) -> int:
+    """A new seed every run (vLLM reseeds torch's global generator when an engine starts, so it
+    cannot be the source); printed so a failing run can be reproduced."""
+    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    print(f"{what} seed {seed}")
+    return seed
 
 
 def hybrid_llm(model, speculative_config=None, dtype="float32", **kwargs):
@@ -158,14 +168,14 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
     target = tmp_path / "target"
     config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "num_hidden_layers": 8, "pad_token_id": 0})
     config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    torch.manual_seed(fresh_seed("8-layer hybrid and H-Spec weights"))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
     selected, kv = default_layer_selection(config, num_selected=4, num_kv_reuse=2)  # kv: layers 3 and 7
     HSpecDraftModel.from_training_args(
         config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
         mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
     ).save_pretrained(tmp_path / "hspec")
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("H-Spec prompts"))
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()}
                for n in torch.randint(3, 40, (NUM_PROMPTS,), generator=gen)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
