@@ -32,6 +32,9 @@ def test_round_trip(tmp_path):
     save_records(recs, tmp_path / "r.jsonl")
     back = load_records(tmp_path / "r.jsonl")
     assert back == recs
+    save_records(recs, tmp_path / "r.jsonl.gz")
+    assert (tmp_path / "r.jsonl.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip magic
+    assert load_records(tmp_path / "r.jsonl.gz") == recs
     t = Rounds.from_records(back)
     assert t.conf.shape == (20, 4) and t.draft_len == 4
     assert torch.equal(t.accepted, torch.tensor([r.accepted for r in recs]))

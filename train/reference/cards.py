@@ -85,6 +85,6 @@ Mean accepted length (tokens per round, bonus token included): **tau = {e['tau']
 |---|---|---|
 {rows}
 
-The rounds are in `records.jsonl` (the length policy's round-record format), for
+The rounds are in `records.jsonl.gz` (the length policy's round-record format), for
 `hybridspec calibrate fit` / `hybridspec simulate`.
 """

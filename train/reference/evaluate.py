@@ -275,7 +275,7 @@ def heldout_responses(spec, kind: str, target, tokenizer) -> tuple[list[list[int
 
 
 def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> Path:
-    """``<out_dir>/<kind>-<drafter>/eval.json`` and ``records.jsonl`` on the held-out prompts."""
+    """``<out_dir>/<kind>-<drafter>/eval.json`` and ``records.jsonl.gz`` on the held-out prompts."""
     import speculators
     from transformers import AutoTokenizer
 
@@ -295,8 +295,8 @@ def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> P
     rounds = evaluate_pair(target, drafter, drafter_type, prompts, responses, spec.response_tokens)
     result = summarize(rounds, drafter.block_size - 1, spec.bootstrap, spec.seed)
     result.update(drafter=drafter_type, target=kind, block_size=drafter.block_size, device=str(device))
-    save_records(to_records(rounds), out / "records.jsonl")
-    load_records(out / "records.jsonl")  # the policy's own validation
+    save_records(to_records(rounds), out / "records.jsonl.gz")
+    load_records(out / "records.jsonl.gz")  # the policy's own validation
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     from vllm_hybridspec.train.reference.cards import drafter_card
 

@@ -6,7 +6,7 @@
 4. per target, an H-Spec and a DFlash drafter trained with ``train/``'s recipe (``<kind>-hspec/``,
    ``<kind>-dflash/``: the ``final/`` checkpoint, metrics, model card);
 5. per pair, acceptance per block position on the held-out prompts with bootstrap intervals and
-   capture records (``<kind>-<drafter>/eval.json``, ``records.jsonl``).
+   capture records (``<kind>-<drafter>/eval.json``, ``records.jsonl.gz``).
 
 Every stage writes its own outputs and is skipped when they exist (``--force`` redoes it), so an
 interrupted build resumes. Work files (captured hidden states, optimizer checkpoints) go to

@@ -26,6 +26,7 @@ the field; :class:`Rounds` is the same data as tensors.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass
@@ -97,13 +98,19 @@ class RoundRecord(BaseModel):
         return len(self.conf)
 
 
+def _open_text(path: Path, mode: str = "r"):
+    """``*.gz`` files are gzip-compressed JSONL (the committed reference records are)."""
+    return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
+
+
 def load_records(path: str | Path) -> list[RoundRecord]:
-    """Read and validate a JSONL records file; raise :class:`InputError` naming line and field."""
+    """Read and validate a JSONL records file (``.jsonl`` or ``.jsonl.gz``); raise :class:`InputError`
+    naming line and field."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"records file '{path}' does not exist")
     records: list[RoundRecord] = []
-    with path.open() as f:
+    with _open_text(path) as f:
         for lineno, line in enumerate(tqdm(f, desc=f"reading {path.name}", unit=" rounds",
                                            disable=None, leave=False), start=1):
             if not line.strip():
@@ -130,7 +137,7 @@ def load_records(path: str | Path) -> list[RoundRecord]:
 
 
 def save_records(records: list[RoundRecord], path: str | Path) -> None:
-    with Path(path).open("w") as f:
+    with _open_text(Path(path), "w") as f:
         for r in records:
             f.write(r.model_dump_json(exclude_none=True) + "\n")
 
