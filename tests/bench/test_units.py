@@ -26,7 +26,7 @@ vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0
 
 def test_metrics_deltas():
     before = parse_metrics(METRICS)
-    assert before["vllm:kv_cache_usage_perc"] == pytest.approx(0.75)  # summed over engines
+    assert before["vllm:kv_cache_usage_perc"] == pytest.approx(0.375)  # a fraction per engine: averaged
     after = {**before, "vllm:spec_decode_num_drafts_total": 14.0,
              "vllm:spec_decode_num_draft_tokens_total": 42.0, "vllm:spec_decode_num_accepted_tokens_total": 29.0}
     delta = spec_decode_delta(before, after)

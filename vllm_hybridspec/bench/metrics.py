@@ -16,12 +16,17 @@ WANTED = (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, KV_USAGE)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The wanted samples, summed over their labels (engines); absent ones are left out."""
+    """The wanted samples over their labels (engines): counters summed, the KV-usage gauge (a
+    fraction per engine) averaged; absent ones are left out."""
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in WANTED:
                 values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+    if KV_USAGE in values:
+        values[KV_USAGE] /= counts[KV_USAGE]
     return values
 
 
