@@ -37,13 +37,6 @@ def spec_counters(llm) -> dict[str, float]:
     return out
 
 
-def kv_capacity_tokens(llm) -> int:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-    core = llm.llm_engine.engine_core.engine_core
-    return int(get_kv_cache_capacity(llm.llm_engine.vllm_config, core.scheduler.kv_cache_config)[0])
-
-
 def load_prompts(args) -> list[dict]:
     """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's ``prompt`` texts."""
     import torch
@@ -65,6 +58,8 @@ def run_config(name: str, spec, args, prompts) -> dict:
     the engine settings (the command line's namespace)."""
     import torch
     from vllm import LLM, SamplingParams
+
+    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
 
     extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
     for key, raw in (("hf_overrides", args.hf_overrides), ("additional_config", args.additional_config)):

@@ -612,3 +612,36 @@ def check_custom_class_proposer_interface() -> None:
     if len(branch) != 2 or call not in branch[1].split("elif", 1)[0]:
         raise RuntimeError(f"vLLM changed: GPUModelRunner.propose_draft_token_ids no longer calls a "
                            f"{CUSTOM_CLASS_METHOD!r} proposer as {call} (written for vLLM {SUPPORTED_VLLM})")
+
+
+def _in_process_core(llm):
+    """``vllm.LLM`` -> its ``EngineCore`` (``llm.llm_engine.engine_core`` is an ``InprocClient`` when
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; its ``engine_core`` attribute is the core itself)."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    if core is None or not hasattr(core, "scheduler") or not hasattr(core, "model_executor"):
+        raise RuntimeError("vLLM engine is not in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=0), or vLLM "
+                           f"changed llm.llm_engine.engine_core.engine_core (written for vLLM {SUPPORTED_VLLM})")
+    return core
+
+
+def kv_capacity_tokens(llm) -> int:
+    """KV-cache capacity in tokens as the engine logs it at start
+    (``vllm.v1.core.kv_cache_utils.get_kv_cache_capacity`` of the scheduler's ``kv_cache_config``)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    core = _in_process_core(llm)
+    return int(get_kv_cache_capacity(llm.llm_engine.vllm_config, core.scheduler.kv_cache_config)[0])
+
+
+def in_process_drafter(llm):
+    """The model runner's proposer (``GPUModelRunner.drafter``) of an in-process single-worker engine:
+    ``EngineCore.model_executor`` (``UniProcExecutor``) ``.driver_worker`` (``WorkerWrapperBase``)
+    ``.worker.model_runner.drafter``. For measurements that change the proposer between requests
+    (``hybridspec calibrate costs``)."""
+    executor = _in_process_core(llm).model_executor
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise RuntimeError(f"vLLM changed: {type(executor).__name__}.driver_worker.worker.model_runner not found "
+                           f"(written for vLLM {SUPPORTED_VLLM}; one worker, in-process engines only)")
+    return getattr(runner, "drafter", None)

@@ -49,6 +49,90 @@ def fit(
                f"from {policy.fit['untruncated_rounds']} of {policy.fit['rounds']} rounds")
 
 
+@calibrate_app.command("costs")
+def costs(
+    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON (method, model, "
+                                           "num_speculative_tokens); omit with --plain to time plain decoding only"),
+    out: Path = typer.Option(..., help="cost file to write (JSON, docs/policy.md); the runs go to <out>.runs.json"),
+    lengths: str = typer.Option("1,2,4,8,12,16", help="verification lengths w (anchor + drafts), 1..K+1"),
+    batch_sizes: str = typer.Option("1", help="concurrent requests per measurement, comma-separated"),
+    plain: bool = typer.Option(False, help="also time plain decoding (no drafter) at each batch size"),
+    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
+                                        "tokenizer); default random token ids"),
+    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
+    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
+    steps: int = typer.Option(48, min=2, help="timed decode steps per (batch size, length)"),
+    warmup: int = typer.Option(4, min=1, help="steps before timing (prefill included)"),
+    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON, e.g. "
+                                    '\'{"enforce_eager": true, "load_format": "dummy"}\''),
+) -> None:
+    """Per-round decode time at fixed verification lengths, measured through vLLM (the cost file of
+    `calibrate fit`)."""
+    import types
+
+    from tqdm import tqdm
+
+    from vllm_hybridspec.compare import load_prompts
+
+    def numbers(text: str, name: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise fail(ValueError(f"--{name} must be comma-separated integers, got {text!r}")) from None
+        if not values or min(values) < 1:
+            raise fail(ValueError(f"--{name} must be positive integers, got {text!r}"))
+        return sorted(set(values))
+
+    def parse_json(text: str | None, name: str):
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise fail(ValueError(f"--{name} is not valid JSON ({e}): {text!r}")) from None
+        if not isinstance(value, dict):
+            raise fail(ValueError(f"--{name} must be a JSON object, got {text!r}"))
+        return value
+
+    spec = parse_json(speculative_config, "speculative-config")
+    extra = parse_json(engine_args, "engine-args")
+    if spec is None and not plain:
+        raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
+    if spec is not None and "num_speculative_tokens" not in spec:
+        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {speculative_config!r}"))
+    if prompts is not None and not prompts.is_file():
+        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
+    batches = numbers(batch_sizes, "batch-sizes")
+    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
+                               num_prompts=max(batches), prompt_len=prompt_len, vocab=vocab)
+    token_prompts = load_prompts(ns)
+    if len(token_prompts) < max(batches):
+        raise fail(ValueError(f"--prompts {str(prompts)!r} has {len(token_prompts)} prompts; "
+                              f"--batch-sizes needs {max(batches)}"))
+    from .measure import measure_costs, write_costs
+
+    bar = tqdm(desc="calibrate costs", unit="run")
+
+    def progress(done: int, total: int, label: str) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        bar.set_postfix_str(label)
+
+    try:
+        cost_file, runs = measure_costs(model, spec, numbers(lengths, "lengths"), batches, token_prompts, steps,
+                                        warmup, extra, plain, progress)
+    except ValueError as e:
+        bar.close()
+        raise fail(e) from None
+    bar.close()
+    sidecar = write_costs(cost_file, runs, out)
+    for r in runs["runs"]:
+        what = "plain" if r["length"] is None else f"w={r['length']:<2}"
+        typer.echo(f"B={r['batch']:<3} {what:<6} {r['mean_ms']:9.3f} ms/step  {r['tokens_per_step']:.2f} tokens/step")
+    typer.echo(f"wrote {out if 'round_ms' in cost_file else '(no cost file: plain only)'} and {sidecar}")
+
+
 @calibrate_app.command("synth")
 def synth(
     out: Path = typer.Option(..., help="records file to write (JSONL)"),
