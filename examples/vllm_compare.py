@@ -41,6 +41,13 @@ def main() -> None:
     ap.add_argument("--llm-kwargs", help="more LLM(...) keyword arguments as JSON")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logprobs", action="store_true", help="record the top-2 log-probability gap of every "
+                    "greedy output position (tells floating-point near-ties from real divergences)")
+    ap.add_argument("--sweep-lengths", type=lambda t: [int(x) for x in t.split(",")],
+                    help="also time decode steps at these verification lengths, for configs with "
+                    '"hybridspec": {"fixed_length": K + 1} (and plain decoding once)')
+    ap.add_argument("--sweep-batches", type=lambda t: [int(x) for x in t.split(",")], default=[1])
+    ap.add_argument("--sweep-steps", type=int, default=32)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not args.random_prompts and not args.prompts:

@@ -53,24 +53,42 @@ def load_prompts(args) -> list[dict]:
     return [{"prompt_token_ids": tokenizer(r["prompt"], add_special_tokens=False).input_ids} for r in rows]
 
 
+def split_engine_args(spec: dict | None) -> tuple[dict | None, dict]:
+    """A config may carry its own engine arguments: ``{"engine": {...}, <speculative config>}``; a dict
+    with only ``"engine"`` is plain decoding with those arguments."""
+    if spec is None:
+        return None, {}
+    spec = dict(spec)
+    engine = spec.pop("engine", {})
+    if not isinstance(engine, dict):
+        raise ValueError(f'"engine" must be a JSON object of LLM(...) arguments, got {engine!r}')
+    return (spec or None), engine
+
+
 def run_config(name: str, spec, args, prompts) -> dict:
     """Start an engine for ``spec`` (``None``: plain decoding), measure, shut it down; ``args`` carries
-    the engine settings (the command line's namespace)."""
+    the engine settings (the command line's namespace), ``spec["engine"]`` this config's own."""
     import torch
     from vllm import LLM, SamplingParams
 
     from vllm_hybridspec.vllm_internals import kv_capacity_tokens
 
+    spec, own_engine_args = split_engine_args(spec)
     extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
     for key, raw in (("hf_overrides", args.hf_overrides), ("additional_config", args.additional_config)):
         if raw:
             extra[key] = json.loads(raw)
+    extra.update(own_engine_args)
+    engine_kw = {"enforce_eager": args.enforce_eager, "load_format": args.load_format,
+                 "max_num_seqs": args.max_num_seqs, **extra}
+    t_start = time.perf_counter()
     llm = LLM(model=args.target, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.gpu_mem, enforce_eager=args.enforce_eager,
-              load_format=args.load_format,
-              speculative_config=spec, disable_log_stats=False, **extra)
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_mem,
+              speculative_config=spec, disable_log_stats=False, **engine_kw)
+    start_s = time.perf_counter() - t_start
+    logprobs = getattr(args, "logprobs", False)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=2 if logprobs else None)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = spec_counters(llm)
     t0 = time.perf_counter()
@@ -78,6 +96,9 @@ def run_config(name: str, spec, args, prompts) -> dict:
     batch_s = time.perf_counter() - t0
     after = spec_counters(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    # top-2 log-probability gap at each output position (where a divergence is a floating-point near-tie)
+    gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     counters = {k: after[k] - before.get(k, 0.0) for k in after}
     bs1_tokens, t0 = 0, time.perf_counter()
     for p in prompts[: args.bs1_prompts]:
@@ -95,12 +116,51 @@ def run_config(name: str, spec, args, prompts) -> dict:
         "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / counters["num_drafts"])
         if counters.get("num_drafts") else None,
         "outputs": tokens,
+        "engine_args": engine_kw,
+        "engine_start_s": start_s,
     }
+    if gaps is not None:
+        result["top2_gaps"] = gaps
+    sweep = getattr(args, "sweep_lengths", None)
+    if sweep:
+        result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps)
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def _top2_gap(position_logprobs) -> float | None:
+    values = sorted((x.logprob for x in position_logprobs.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else None
+
+
+def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int], steps: int) -> dict:
+    """Per-step decode time at each batch size: plain decoding (``spec`` None) once per batch size; with
+    a drafter whose config fixes the length (``"hybridspec": {"fixed_length": K + 1}``) at every length
+    of ``lengths`` (the proposer's selector is set between runs, as ``hybridspec calibrate costs`` does)."""
+    from vllm_hybridspec.policy.measure import time_decode_steps
+    from vllm_hybridspec.vllm_internals import in_process_drafter
+
+    out = {}
+    selector = None
+    if spec is not None:
+        selector = getattr(in_process_drafter(llm), "length_selector", None)
+        if selector is None or selector.options.fixed_length is None:
+            return {"skipped": 'the config has no "hybridspec": {"fixed_length": ...}'}
+    for b in batches:
+        for w in (lengths if selector is not None else [None]):
+            if selector is not None:
+                if w > spec["num_speculative_tokens"] + 1:
+                    continue
+                selector.options.fixed_length = w
+            t = time_decode_steps(llm, prompts, b, steps, 4, f"sweep-{w}-{b}")
+            t.length = w
+            out[f"B{b}_w{w or 'plain'}"] = t.summary()
+    if selector is not None:
+        selector.options.fixed_length = spec["num_speculative_tokens"] + 1
+    return out
 
 
 def summary_table(results: list[dict], num_prompts: int) -> str:
@@ -112,6 +172,11 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
             lines.append(f"{r['name']:<12} ERROR {r['error'][:100]}")
             continue
         r["identical_prompts"] = sum(a == b for a, b in zip(r["outputs"], reference["outputs"]))
+        if "top2_gaps" in reference:
+            # for each prompt that differs: the reference's top-2 gap where the outputs first part
+            r["divergence_gaps"] = [
+                reference["top2_gaps"][p][next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
+                for p, (a, b) in enumerate(zip(r["outputs"], reference["outputs"])) if a != b]
         acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
         lines.append(f"{r['name']:<12} {r['identical_prompts']:>4}/{num_prompts:<5} {r['kv_capacity_tokens']:>11} "
                      f"{r['bs1_tokens_per_s'] or float('nan'):>10.1f} {r['batch_tokens_per_s']:>12.1f} {acc:>10}")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One GPU session's measurements (issues 5 and 6), in calls of at most 10 minutes; see docs/device.md.
+# usage on the GPU machine, after the vLLM bundle (../shared/device/README.md):
+#   bash examples/gpu_session.sh extras     # installs .devextras/e00 (carried) + checks the plugin imports
+#   bash examples/gpu_session.sh ref        # reference models: hybrid and dense, plain / H-Spec / DFlash (dense:
+                                           # vLLM 0.26 refuses it on the tiny hybrid) /
+#                                           # one-slot GDN / + length selection; identity, tok/s, KV, sweep
+#   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
+#   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
+# Every stage writes $OUT/<stage>.tar (JSON results, logs); a stage stops its engines before the
+# call's 10 minutes (DEADLINE seconds, default 560) and still packs what it has.
+set -uo pipefail
+STAGE="$1"
+DEADLINE="${DEADLINE:-560}"
+T0=$SECONDS
+source examples/device_setup.sh
+R="/tmp/hs-results/$STAGE"; mkdir -p "$R"
+left() { echo $(( DEADLINE - (SECONDS - T0) - 15 )); }
+run() {  # run NAME CMD...: with the time left, output to $R/NAME.log (filtered copy on stdout)
+  local name="$1"; shift
+  local t; t=$(left)
+  if [ "$t" -lt 30 ]; then echo "[$name] skipped: ${t}s left"; return; fi
+  echo "[$name] start ($t s left)"
+  timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "[$name] exit $? after $((SECONDS - T0)) s"
+  grep -E "^(config|plain|hspec|dflash|one_slot|sel|B=)|identical|rror|Traceback" "$R/$name.log" | grep -v "^INFO" | tail -25
+}
+pack() { tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"; ls -la "$R"; }
+trap pack EXIT
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+H7='"num_speculative_tokens": 7'
+case "$STAGE" in
+extras)
+  mkdir -p /tmp/devextras && cp .devextras/e00 /tmp/devextras/ && (cd /tmp/devextras && tar xf e00 && bash install_extras.sh)
+  python3 -c "import vllm, vllm_hybridspec.plugin, vllm_hybridspec.models.hspec, vllm_hybridspec.kernels.gdn as g; print('plugin ok, vllm', vllm.__version__)" 2>&1 | tail -3
+  ;;
+ref)
+  GDN='{"gdn_prefill_backend": "triton"}'
+  COMMON=(--prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --bs1-prompts 4 --enforce-eager
+          --logprobs --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 24 --gpu-mem 0.25)
+  run hybrid python3 examples/vllm_compare.py --target models/hybrid "${COMMON[@]}" --additional-config "$GDN" \
+    --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+    --config plain=none \
+    --config hspec="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
+    --config hspec_gdn="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}}" \
+    --config hspec_sel="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
+    --out "$R/compare-hybrid.json"
+  run dense python3 examples/vllm_compare.py --target models/dense "${COMMON[@]}" \
+    --config plain=none \
+    --config hspec="{\"method\": \"hspec\", \"model\": \"models/dense-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
+    --config dflash="{\"method\": \"dflash\", \"model\": \"models/dense-dflash\", $H7}" \
+    --out "$R/compare-dense.json"
+  ;;
+big1|big2)
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
+  PIECEWISE="\"engine\": {\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\", $SIZES}}"
+  BIG=(--target /tmp/full-shape/target --load-format dummy --random-prompts --vocab 248000 --prompt-len 128
+       --num-prompts 8 --max-tokens 64 --bs1-prompts 2 --max-model-len 2048 --max-num-seqs 8 --gpu-mem 0.9
+       --logprobs --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 24
+       --additional-config '{"gdn_prefill_backend": "triton"}'
+       --llm-kwargs "{\"mamba_ssm_cache_dtype\": \"float32\", \"compilation_config\": {$SIZES}}")
+  HS="\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7"
+  if [ "$STAGE" = big1 ]; then
+    run big1 python3 examples/vllm_compare.py "${BIG[@]}" --config plain=none \
+      --config hspec_gdn="{$HS, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}, $PIECEWISE}" \
+      --out "$R/compare-35b-1.json"
+  else
+    run big2 python3 examples/vllm_compare.py "${BIG[@]}" \
+      --config hspec="{$HS, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}, $PIECEWISE}" \
+      --config dflash="{\"method\": \"dflash\", \"model\": \"/tmp/full-shape/dflash\", $H7}" \
+      --out "$R/compare-35b-2.json"
+  fi
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
