@@ -71,7 +71,7 @@ def run_config(name: str, spec, args, prompts) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
+    from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
 
     spec, own_engine_args = split_engine_args(spec)
     extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
@@ -121,6 +121,9 @@ def run_config(name: str, spec, args, prompts) -> dict:
     }
     if gaps is not None:
         result["top2_gaps"] = gaps
+    selector = getattr(in_process_drafter(llm), "length_selector", None) if spec is not None else None
+    if selector is not None:
+        result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
     sweep = getattr(args, "sweep_lengths", None)
     if sweep:
         result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps)
