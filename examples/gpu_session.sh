@@ -2,11 +2,14 @@
 # One GPU session's measurements (issues 5 and 6), in calls of at most 10 minutes; see docs/device.md.
 # usage on the GPU machine, after the vLLM bundle (../shared/device/README.md):
 #   bash examples/gpu_session.sh extras     # installs .devextras/e00 (carried) + checks the plugin imports
-#   bash examples/gpu_session.sh ref        # reference models: hybrid and dense, plain / H-Spec / DFlash (dense:
-                                           # vLLM 0.26 refuses it on the tiny hybrid) /
-#                                           # one-slot GDN / + length selection; identity, tok/s, KV, sweep
+#   bash examples/gpu_session.sh ref        # reference hybrid (bf16): plain / H-Spec on vLLM's GDN path /
+#                                           # one-slot GDN / + length selection; identity, KV, step sweep
+#   bash examples/gpu_session.sh ref32      # the same in float32 (exact identity: no bf16 ties)
+#   bash examples/gpu_session.sh dense      # reference dense: plain / H-Spec / DFlash
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
+# (DFlash on the reference hybrid: vLLM 0.26 refuses it at engine start, see
+#  docs/benchmarks/h200-2026-11-29/README.md.) Every config runs in its own process (--isolate).
 # Every stage writes $OUT/<stage>.tar (JSON results, logs); a stage stops its engines before the
 # call's 10 minutes (DEADLINE seconds, default 560) and still packs what it has.
 set -uo pipefail
@@ -29,22 +32,25 @@ trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 H7='"num_speculative_tokens": 7'
+COMMON=(--prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --enforce-eager --isolate
+        --logprobs --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 48 --sweep-warmup 8 --gpu-mem 0.25)
 case "$STAGE" in
 extras)
   mkdir -p /tmp/devextras && cp .devextras/e00 /tmp/devextras/ && (cd /tmp/devextras && tar xf e00 && bash install_extras.sh)
   python3 -c "import vllm, vllm_hybridspec.plugin, vllm_hybridspec.models.hspec, vllm_hybridspec.kernels.gdn as g; print('plugin ok, vllm', vllm.__version__)" 2>&1 | tail -3
   ;;
-ref)
-  GDN='{"gdn_prefill_backend": "triton"}'
-  COMMON=(--prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --bs1-prompts 4 --enforce-eager
-          --logprobs --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 24 --gpu-mem 0.25)
-  run hybrid python3 examples/vllm_compare.py --target models/hybrid "${COMMON[@]}" --additional-config "$GDN" \
-    --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+ref|ref32)
+  DT=bfloat16; [ "$STAGE" = ref32 ] && DT=float32
+  HH='"method": "hspec", "model": "models/hybrid-hspec"'
+  run hybrid python3 examples/vllm_compare.py --target models/hybrid "${COMMON[@]}" --dtype "$DT" \
+    --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
     --config plain=none \
-    --config hspec="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
-    --config hspec_gdn="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}}" \
-    --config hspec_sel="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
-    --out "$R/compare-hybrid.json"
+    --config hspec="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
+    --config hspec_gdn="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}}" \
+    --config hspec_sel="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
+    --out "$R/compare-hybrid-$DT.json"
+  ;;
+dense)
   run dense python3 examples/vllm_compare.py --target models/dense "${COMMON[@]}" \
     --config plain=none \
     --config hspec="{\"method\": \"hspec\", \"model\": \"models/dense-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
@@ -56,8 +62,8 @@ big1|big2)
   SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
   PIECEWISE="\"engine\": {\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\", $SIZES}}"
   BIG=(--target /tmp/full-shape/target --load-format dummy --random-prompts --vocab 248000 --prompt-len 128
-       --num-prompts 8 --max-tokens 64 --bs1-prompts 2 --max-model-len 2048 --max-num-seqs 8 --gpu-mem 0.9
-       --logprobs --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 24
+       --num-prompts 8 --max-tokens 64 --bs1-prompts 0 --max-model-len 2048 --max-num-seqs 8 --gpu-mem 0.9
+       --logprobs --isolate --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 48 --sweep-warmup 8
        --additional-config '{"gdn_prefill_backend": "triton"}'
        --llm-kwargs "{\"mamba_ssm_cache_dtype\": \"float32\", \"compilation_config\": {$SIZES}}")
   HS="\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7"

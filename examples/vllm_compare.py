@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--llm-kwargs", help="more LLM(...) keyword arguments as JSON")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--isolate", action="store_true", help="run each config in its own process (GPU: an "
+                    "engine's memory is only certainly freed when its process ends)")
     ap.add_argument("--logprobs", action="store_true", help="record the top-2 log-probability gap of every "
                     "greedy output position (tells floating-point near-ties from real divergences)")
     ap.add_argument("--sweep-lengths", type=lambda t: [int(x) for x in t.split(",")],
@@ -48,6 +50,8 @@ def main() -> None:
                     '"hybridspec": {"fixed_length": K + 1} (and plain decoding once)')
     ap.add_argument("--sweep-batches", type=lambda t: [int(x) for x in t.split(",")], default=[1])
     ap.add_argument("--sweep-steps", type=int, default=32)
+    ap.add_argument("--sweep-warmup", type=int, default=4, help="untimed steps first (the first use of a shape "
+                    "may compile kernels)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not args.random_prompts and not args.prompts:

@@ -126,7 +126,8 @@ def run_config(name: str, spec, args, prompts) -> dict:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
     sweep = getattr(args, "sweep_lengths", None)
     if sweep:
-        result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps)
+        result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps,
+                                               getattr(args, "sweep_warmup", 4))
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -139,7 +140,8 @@ def _top2_gap(position_logprobs) -> float | None:
     return values[0] - values[1] if len(values) > 1 else None
 
 
-def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int], steps: int) -> dict:
+def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int], steps: int,
+                      warmup: int = 4) -> dict:
     """Per-step decode time at each batch size: plain decoding (``spec`` None) once per batch size; with
     a drafter whose config fixes the length (``"hybridspec": {"fixed_length": K + 1}``) at every length
     of ``lengths`` (the proposer's selector is set between runs, as ``hybridspec calibrate costs`` does)."""
@@ -158,7 +160,7 @@ def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int]
                 if w > spec["num_speculative_tokens"] + 1:
                     continue
                 selector.options.fixed_length = w
-            t = time_decode_steps(llm, prompts, b, steps, 4, f"sweep-{w}-{b}")
+            t = time_decode_steps(llm, prompts, b, steps, warmup, f"sweep-{w}-{b}")
             t.length = w
             out[f"B{b}_w{w or 'plain'}"] = t.summary()
     if selector is not None:
@@ -186,15 +188,51 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
+def _run_in_child(conn, name, spec, args, prompts) -> None:
+    try:
+        conn.send(run_config(name, spec, args, prompts))
+    except Exception as e:  # the parent records it
+        conn.send({"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"})
+    conn.close()
+
+
+def _run_isolated(name: str, spec, args, prompts) -> dict:
+    """``run_config`` in a fresh (spawned) process: an engine's GPU memory is only certainly given back
+    when its process ends (on the H200 a second in-process engine at the 35B shape found 14.6 of
+    139.8 GiB free), and a CUDA error cannot poison the next config."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_in_child, args=(child, name, spec, args, prompts))
+    proc.start()
+    child.close()
+    try:
+        result = parent.recv()
+    except EOFError:
+        result = None
+    proc.join()
+    if result is None:
+        result = {"name": name, "speculative_config": spec,
+                  "error": f"the config's process ended with exit code {proc.exitcode} before reporting"}
+    return result
+
+
 def run_all(configs: list[tuple[str, dict | None]], args, prompts, out: str | None = None) -> list[dict]:
-    """Every config in turn; a failing one is recorded with its error and the others still run."""
+    """Every config in turn (each in its own process with ``args.isolate``); a failing one is recorded
+    with its error and the others still run. ``out`` is rewritten after every config."""
     results = []
     for name, spec in configs:
-        try:
-            results.append(run_config(name, spec, args, prompts))
-        except Exception as e:
-            results.append({"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"})
-            print(f"[{name}] failed: {type(e).__name__}: {e}", flush=True)
+        if getattr(args, "isolate", False):
+            result = _run_isolated(name, spec, args, prompts)
+        else:
+            try:
+                result = run_config(name, spec, args, prompts)
+            except Exception as e:
+                result = {"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"}
+        if "error" in result:
+            print(f"[{name}] failed: {result['error']}", flush=True)
+        results.append(result)
         if out:
             with open(out, "w") as f:
                 json.dump({"args": vars(args), "results": results}, f)
