@@ -62,6 +62,7 @@ def test_resolve_pops_options_into_additional_config():
         resolve_speculative_config({"method": "ngram", "hybridspec": {}}, Target())
 
 
-def test_capture_is_refused_until_it_is_implemented(tmp_path):
-    with pytest.raises(ValueError, match=r"hybridspec.capture=.*records.jsonl.*not implemented yet"):
-        parse_options({"capture": str(tmp_path / "records.jsonl")}, 7)
+def test_capture_is_accepted_with_an_existing_directory(tmp_path):
+    options = parse_options({"capture": str(tmp_path / "records.jsonl")}, 7)
+    assert options.capture == str(tmp_path / "records.jsonl")
+    assert not options.select and options.fixed_length is None

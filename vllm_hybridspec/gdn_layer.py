@@ -364,7 +364,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                 ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
 
 
-def commit_rounds(runner, sampled_token_ids: torch.Tensor) -> None:
+def commit_rounds(runner, sampled_token_ids: torch.Tensor, scheduler_output=None) -> None:
     """After rejection sampling: commit every one-slot GDN layer's verified round.
     sampled_token_ids ``[num_reqs, max_spec_len + 1]`` with -1 after each row's accepted tokens
     (``m`` = accepted drafts + 1 = the non-(-1) count)."""

@@ -34,8 +34,8 @@ class HybridSpecOptions(BaseModel):
                        "gate table marks as slower than plain decoding")
     gdn_kernel: bool = Field(default=True, description="verify GDN layers with the parallel kernel and one "
                              "state slot per request")
-    capture: str | None = Field(default=None, description="write calibration round records (JSONL) here; "
-                                "verifies every draft token")
+    capture: str | None = Field(default=None, description="write calibration round records (JSONL) here "
+                                "(capture.py); verifies every draft token")
     fixed_length: int | None = Field(default=None, ge=1, description="verify exactly this many tokens "
                                      "(anchor + drafts) per request; for `calibrate costs`")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
@@ -74,8 +74,6 @@ class HybridSpecOptions(BaseModel):
             parent = Path(self.capture).expanduser().resolve().parent
             if not parent.is_dir():
                 raise ValueError(f"hybridspec.capture={self.capture!r}: directory {str(parent)!r} does not exist")
-            raise ValueError(f"hybridspec.capture={self.capture!r}: writing calibration records from inside vLLM is "
-                             "not implemented yet (issue 6, deliverable 3); leave \"capture\" out")
 
 
 def parse_options(raw: Any, num_speculative_tokens: int) -> HybridSpecOptions:

@@ -54,6 +54,7 @@ def register() -> None:
     patch_v2_runner_unsupported(spec_config.is_hspec_speculative_config)
     patch_runner_dflash_proposer(RunnerDFlashProposer)
     patch_runner_length_trimming()
+    _install_capture()
     patch_cpu_expand_batch_to_tokens()
     _use_torch_gdn_on_cpu()
     _install_one_slot_gdn()
@@ -84,6 +85,15 @@ def _install_one_slot_gdn() -> None:
     register_gdn_layer(gdn_layer.HSpecQwenGDN)
     patch_gdn_page_size(gdn_layer.one_slot_page_shape)
     patch_runner_after_sampling(gdn_layer.commit_rounds)
+
+
+def _install_capture() -> None:
+    """Calibration records from the proposer (``capture.py``): the runner hook that reads each
+    verified round's accepted count. It does nothing unless ``"hybridspec": {"capture": ...}``."""
+    from vllm_hybridspec.capture import capture_after_sampling
+    from vllm_hybridspec.vllm_internals import patch_runner_after_sampling
+
+    patch_runner_after_sampling(capture_after_sampling)
 
 
 def _install_version_guard(error: RuntimeError) -> None:

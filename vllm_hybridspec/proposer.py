@@ -51,10 +51,15 @@ class RunnerDFlashProposer(DFlashProposer):
             self.length_selector = LengthSelector(
                 options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
+        self.round_capture = None  # calibration records (capture.py), with "hybridspec": {"capture": path}
+        if options is not None and options.capture is not None:
+            from vllm_hybridspec.capture import RoundCapture
+
+            self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
 
     def _records_signals(self) -> bool:
-        return (self.length_selector is not None and self.length_selector.trims
-                and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab)
+        wanted = self.round_capture is not None or (self.length_selector is not None and self.length_selector.trims)
+        return wanted and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self._records_signals():
@@ -82,6 +87,14 @@ class RunnerDFlashProposer(DFlashProposer):
             num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, cad, sampling_metadata, mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings)
+        capture = self.round_capture
+        if capture is not None:
+            if drafts.shape[1] == 0 or self._signals is None:
+                capture.skipped()
+            else:
+                k = drafts.shape[1]
+                top1, ent = (x.view(-1, k)[:N] for x in self._signals)
+                capture.drafted(self.runner, top1, ent, remaining_budget(self.runner, prefix_lens, k))
         if selector is None or drafts.shape[1] == 0:
             return drafts
         if not selector.speculate(N):
@@ -137,6 +150,8 @@ class HSpecProposer(RunnerDFlashProposer):
         self.num_speculative_tokens = num_speculative_tokens
         if num_speculative_tokens == 0:
             self.last_draft = None
+            if self.round_capture is not None:
+                self.round_capture.skipped()
             return torch.empty(N, 0, dtype=torch.int64, device=self.device)
         selector = self.length_selector
         if selector is not None and not selector.speculate(N):
@@ -154,6 +169,9 @@ class HSpecProposer(RunnerDFlashProposer):
         prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
         block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         self.last_draft = block
+        if self.round_capture is not None:
+            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)
+            self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
         if selector is not None and selector.trims:
             w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)  # [N]
             selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)

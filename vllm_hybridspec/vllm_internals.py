@@ -335,24 +335,40 @@ def register_gdn_layer(layer_class) -> None:
     QwenGatedDeltaNetAttention.register_oot(layer_class)
 
 
+_AFTER_SAMPLING_HOOKS: list = []
+
+
 def patch_runner_after_sampling(hook) -> None:
     """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states_after_model_execute``
-    (inherited by ``CPUModelRunner``) to call ``hook(runner, output_token_ids)`` after it.
+    (inherited by ``CPUModelRunner``) to call ``hook(runner, output_token_ids, scheduler_output)``
+    after it, for every hook registered (in registration order; registering one twice is a no-op).
 
     Why: it is the first point of a step where the rejection sampler's output
     ``[num_reqs, max_spec_len + 1]`` (-1 after each row's accepted tokens) exists, before the drafter
     runs and before the next step reads any GDN state; the one-slot GDN layer commits its verified
-    round there (``sample_tokens`` calls it on every step that sampled)."""
+    round there and calibration capture reads each row's accepted count (``sample_tokens`` calls it
+    on every step that sampled)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if hook not in _AFTER_SAMPLING_HOOKS:
+        _AFTER_SAMPLING_HOOKS.append(hook)
 
     def make(original):
         def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
             original(self, output_token_ids, scheduler_output)
-            hook(self, output_token_ids)
+            for registered in _AFTER_SAMPLING_HOOKS:
+                registered(self, output_token_ids, scheduler_output)
 
         return _update_states_after_model_execute
 
     _wrap_once(GPUModelRunner, "_update_states_after_model_execute", make)
+
+
+def scheduled_draft_counts(scheduler_output) -> dict[str, int]:
+    """Draft tokens the scheduler scheduled per request this step
+    (``SchedulerOutput.scheduled_spec_decode_tokens``: request id -> draft ids, or ``-1``
+    placeholders under async scheduling)."""
+    return {req_id: len(tokens) for req_id, tokens in scheduler_output.scheduled_spec_decode_tokens.items()}
 
 
 # vllm/model_executor/models/: the model classes whose GDN layers are QwenGatedDeltaNetAttention

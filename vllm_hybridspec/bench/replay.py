@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_hybridspec.policy.errors import InputError
-from vllm_hybridspec.policy.records import load_records
+from vllm_hybridspec.policy.records import iter_jsonl_objects, load_records, open_text
 
 
 @dataclass
@@ -129,41 +129,31 @@ def load_continuations(path: str | Path) -> Continuations:
         raise InputError(f"continuations file '{path}' does not exist; record one with "
                          f"`hybridspec replay-record` (plain greedy decoding of the benchmark prompts)")
     entries: list[Continuation] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object with 'prompt_token_ids', 'output_token_ids' "
-                                 f"and 'max_tokens', got {type(obj).__name__}")
-            fields = {}
-            for name in ("prompt_token_ids", "output_token_ids"):
-                v = obj.get(name)
-                if not (isinstance(v, list) and v and all(isinstance(t, int) and t >= 0 for t in v)):
-                    raise InputError(f"{where}: field '{name}' must be a non-empty list of token ids "
-                                     f"(integers >= 0), got {str(v)[:80]}")
-                fields[name] = np.array(v, dtype=np.int64)
-            m = obj.get("max_tokens")
-            if not (isinstance(m, int) and 1 <= m <= len(fields["output_token_ids"])):
-                raise InputError(f"{where}: field 'max_tokens' must be an integer in 1..len(output_token_ids) = "
-                                 f"{len(fields['output_token_ids'])}, got {m!r}")
-            extra = set(obj) - {"prompt_token_ids", "output_token_ids", "max_tokens"}
-            if extra:
-                raise InputError(f"{where}: unknown fields {sorted(extra)}; valid are 'prompt_token_ids', "
-                                 f"'output_token_ids', 'max_tokens'")
-            prompt = fields["prompt_token_ids"]
-            entries.append(Continuation(prompt, fields["output_token_ids"], m, prompt_key(prompt)))
+    expected = "a JSON object with 'prompt_token_ids', 'output_token_ids' and 'max_tokens'"
+    for where, obj in iter_jsonl_objects(path, expected):
+        fields = {}
+        for name in ("prompt_token_ids", "output_token_ids"):
+            v = obj.get(name)
+            if not (isinstance(v, list) and v and all(isinstance(t, int) and t >= 0 for t in v)):
+                raise InputError(f"{where}: field '{name}' must be a non-empty list of token ids "
+                                 f"(integers >= 0), got {str(v)[:80]}")
+            fields[name] = np.array(v, dtype=np.int64)
+        m = obj.get("max_tokens")
+        if not (isinstance(m, int) and 1 <= m <= len(fields["output_token_ids"])):
+            raise InputError(f"{where}: field 'max_tokens' must be an integer in 1..len(output_token_ids) = "
+                             f"{len(fields['output_token_ids'])}, got {m!r}")
+        extra = set(obj) - {"prompt_token_ids", "output_token_ids", "max_tokens"}
+        if extra:
+            raise InputError(f"{where}: unknown fields {sorted(extra)}; valid are 'prompt_token_ids', "
+                             f"'output_token_ids', 'max_tokens'")
+        prompt = fields["prompt_token_ids"]
+        entries.append(Continuation(prompt, fields["output_token_ids"], m, prompt_key(prompt)))
     return Continuations(entries, str(path))
 
 
 def save_continuations(entries: list[tuple[list[int], list[int], int]], path: str | Path) -> None:
     """``entries``: (prompt token ids, output token ids, max_tokens) per request."""
-    with Path(path).open("w") as f:
+    with open_text(Path(path), "w") as f:
         f.writelines(json.dumps({"prompt_token_ids": list(prompt), "output_token_ids": list(output),
                                  "max_tokens": m}) + "\n" for prompt, output, m in entries)
 

@@ -49,6 +49,87 @@ def fit(
                f"from {policy.fit['untruncated_rounds']} of {policy.fit['rounds']} rounds")
 
 
+@calibrate_app.command("capture")
+def capture(
+    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    speculative_config: str = typer.Option(..., help="the drafter, as --speculative-config JSON (method, model, "
+                                           "num_speculative_tokens = D)"),
+    out: Path = typer.Option(..., help="round records to write (JSONL, docs/policy.md)"),
+    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
+                                        "tokenizer); default random token ids"),
+    num_prompts: int = typer.Option(64, min=1, help="calibration prompts"),
+    output_len: int = typer.Option(256, min=1, help="tokens generated per prompt (EOS ignored)"),
+    temperature: float = typer.Option(0.0, min=0.0, help="sampling temperature of the calibration run"),
+    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
+    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
+    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON"),
+) -> None:
+    """Run target + drafter through vLLM verifying every draft token and write the round records
+    (confidences, entropies, accepted counts) that `calibrate fit --records` reads."""
+    import os
+    import types
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm_hybridspec.compare import load_prompts
+
+    spec = _json_object(speculative_config, "speculative-config")
+    extra = _json_object(engine_args, "engine-args")
+    if "num_speculative_tokens" not in spec:
+        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {speculative_config!r}"))
+    options = dict(spec.get("hybridspec") or {})
+    for key in ("policy", "select", "fixed_length", "batched"):
+        if options.get(key):
+            raise fail(ValueError(f'--speculative-config: "hybridspec.{key}" = {options[key]!r}; a capture run '
+                                  "verifies every draft token"))
+    if prompts is not None and not prompts.is_file():
+        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "hybridspec": {**options, "capture": str(out)}}
+    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
+                               num_prompts=num_prompts, prompt_len=prompt_len, vocab=vocab)
+    token_prompts = load_prompts(ns)
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=model, skip_tokenizer_init=True, seed=0, speculative_config=spec, disable_log_stats=False,
+                  **extra)
+    except ValueError as e:
+        raise fail(e) from None
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0)
+    llm.generate(token_prompts, params, use_tqdm=True)
+    from vllm_hybridspec.compare import spec_counters
+
+    counters = spec_counters(llm)
+    from .records import Rounds, load_records
+
+    try:
+        rounds = Rounds.from_records(load_records(out))
+    except InputError as e:
+        raise fail(InputError(f"the capture run wrote no usable records: {e}")) from None
+    full = ~rounds.truncated
+    mean = rounds.accepted[full].double().mean().item() if full.any() else float("nan")
+    typer.echo(f"wrote {out}: {len(rounds)} rounds of D = {rounds.draft_len} drafts from {len(token_prompts)} "
+               f"prompts, {int(full.sum())} untruncated, mean accepted {mean:.3f} (acceptance length {1 + mean:.3f})")
+    drafts, accepted = counters.get("num_drafts"), counters.get("num_accepted_tokens")
+    typer.echo(f"vLLM's counters: {drafts:.0f} drafts, {accepted:.0f} accepted tokens; records: {len(rounds)} rounds, "
+               f"{int(rounds.accepted.sum())} accepted")
+    if drafts != len(rounds) or accepted != int(rounds.accepted.sum()):
+        typer.echo("warning: the records do not match vLLM's spec-decode counters (a round was missed or counted "
+                   "twice); do not fit a policy from them", err=True)
+        raise typer.Exit(1)
+
+
+def _json_object(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise fail(ValueError(f"--{name} is not valid JSON ({e}): {text!r}")) from None
+    if not isinstance(value, dict):
+        raise fail(ValueError(f"--{name} must be a JSON object, got {text!r}"))
+    return value
+
+
 @calibrate_app.command("costs")
 def costs(
     model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +99,30 @@ class RoundRecord(BaseModel):
         return len(self.conf)
 
 
-def _open_text(path: Path, mode: str = "r"):
+def open_text(path: Path, mode: str = "r"):
     """``*.gz`` files are gzip-compressed JSONL (the committed reference records are)."""
     return gzip.open(path, mode + "t") if path.suffix == ".gz" else path.open(mode)
+
+
+def iter_jsonl_objects(path: Path, expected: str, progress: str | None = None) -> Iterator[tuple[str, dict]]:
+    """``(where, obj)`` for each non-blank line of a ``.jsonl`` / ``.jsonl.gz`` file, ``where`` being
+    ``"<path> line <n>"`` for the caller's own field errors.  A line that is not JSON, or not a JSON
+    object, raises :class:`InputError` naming file and line (``expected`` completes "expected ...,
+    got <type>").  ``progress``: the unit of a tqdm progress bar, or ``None`` for none."""
+    with open_text(path) as f:
+        lines = f if progress is None else tqdm(f, desc=f"reading {path.name}", unit=f" {progress}",
+                                                disable=None, leave=False)
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{where}: expected {expected}, got {type(obj).__name__}")
+            yield where, obj
 
 
 def load_records(path: str | Path) -> list[RoundRecord]:
@@ -110,34 +132,23 @@ def load_records(path: str | Path) -> list[RoundRecord]:
     if not path.is_file():
         raise InputError(f"records file '{path}' does not exist")
     records: list[RoundRecord] = []
-    with _open_text(path) as f:
-        for lineno, line in enumerate(tqdm(f, desc=f"reading {path.name}", unit=" rounds",
-                                           disable=None, leave=False), start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object with fields 'conf', 'ent', "
-                                 f"'accepted', got {type(obj).__name__}")
-            try:
-                rec = RoundRecord.model_validate(obj)
-            except ValidationError as e:
-                raise describe(e, where) from None
-            if records and rec.draft_len != records[0].draft_len:
-                raise InputError(f"{where}: field 'conf' has {rec.draft_len} entries but earlier "
-                                 f"rounds have D = {records[0].draft_len}; one file holds one D")
-            records.append(rec)
+    for where, obj in iter_jsonl_objects(path, "a JSON object with fields 'conf', 'ent', 'accepted'",
+                                         progress="rounds"):
+        try:
+            rec = RoundRecord.model_validate(obj)
+        except ValidationError as e:
+            raise describe(e, where) from None
+        if records and rec.draft_len != records[0].draft_len:
+            raise InputError(f"{where}: field 'conf' has {rec.draft_len} entries but earlier "
+                             f"rounds have D = {records[0].draft_len}; one file holds one D")
+        records.append(rec)
     if not records:
         raise InputError(f"records file '{path}' holds no rounds")
     return records
 
 
 def save_records(records: list[RoundRecord], path: str | Path) -> None:
-    with _open_text(Path(path), "w") as f:
+    with open_text(Path(path), "w") as f:
         for r in records:
             f.write(r.model_dump_json(exclude_none=True) + "\n")
 
