@@ -8,6 +8,9 @@
 #   bash examples/gpu_session.sh dense      # reference dense: plain / H-Spec / DFlash
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
+#   bash examples/gpu_session.sh bench-dense / bench-hybrid
+#                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
+#                                           # reference model, C = 1,4,16,64, each config, + report
 # (DFlash on the reference hybrid: vLLM 0.26 refuses it at engine start, see
 #  docs/benchmarks/h200-2026-11-29/README.md.) Every config runs in its own process (--isolate).
 # Every stage writes $OUT/<stage>.tar (JSON results, logs); a stage stops its engines before the
@@ -77,6 +80,26 @@ big1|big2)
       --config dflash="{\"method\": \"dflash\", \"model\": \"/tmp/full-shape/dflash\", $H7}" \
       --out "$R/compare-35b-2.json"
   fi
+  ;;
+bench-dense|bench-hybrid)
+  KIND="${STAGE#bench-}"
+  SERVE="python3 -m vllm.entrypoints.openai.api_server --model models/$KIND --port 8000 --gpu-memory-utilization 0.3 --max-model-len 1024"
+  [ "$KIND" = hybrid ] && SERVE="$SERVE --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}'"
+  declare -A SPEC=(
+    [plain]=""
+    [hspec]="{\"method\": \"hspec\", \"model\": \"models/$KIND-hspec\", $H7}"
+    [hspec_sel]="{\"method\": \"hspec\", \"model\": \"models/$KIND-hspec\", $H7, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\"}}"
+  )
+  [ "$KIND" = dense ] && SPEC[dflash]="{\"method\": \"dflash\", \"model\": \"models/dense-dflash\", $H7}"
+  [ "$KIND" = hybrid ] && SPEC[hspec_sel]="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gdn_kernel\": true}}"
+  [ "$KIND" = dense ] && unset "SPEC[hspec_sel]"   # the committed policy is the hybrid drafter's
+  for cfg in plain hspec hspec_sel dflash; do
+    [ -n "${SPEC[$cfg]+x}" ] || continue
+    cmd="$SERVE"; [ -n "${SPEC[$cfg]}" ] && cmd="$cmd --speculative-config '${SPEC[$cfg]}'"
+    run "bench-$cfg" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts models/prompts/heldout.jsonl \
+      --concurrency 1,4,16,64 --output-len 128 --label "$cfg" --no-progress -o "$R/$cfg.json"
+  done
+  python3 -m vllm_hybridspec.cli report "$R"/*.json --out-dir "$R/report" > "$R/report.log" 2>&1; tail -20 "$R/report/report.md"
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
