@@ -15,32 +15,18 @@ import tempfile
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
+from vllm_hybridspec.train.tiny_target import save_tiny_qwen3_next
 
-TINY_QWEN3_NEXT = {
-    "model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
-    "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": [],
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2,
-}
 VOCAB = 12
 NUM_PROMPTS, MAX_TOKENS = 24, 32
 
 
 def main(out_path: str | None) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
 
     path = tempfile.mkdtemp(prefix="tiny_qwen3_next_")
-    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB})
-    config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(1234)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    save_tiny_qwen3_next(path, dtype=torch.bfloat16, seed=1234, vocab_size=VOCAB)
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()}
                for n in torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)]

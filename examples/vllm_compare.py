@@ -1,15 +1,6 @@
 """Command line of ``vllm_hybridspec.compare``: one target, several speculative configs, side by side.
 
-    python examples/vllm_compare.py --target models/hybrid \\
-        --config plain=none \\
-        --config hspec='{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7}' \\
-        --config dflash='{"method": "dflash", "model": "models/hybrid-dflash", "num_speculative_tokens": 7}' \\
-        --prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --out compare.json
-
-Full-size shapes without weights: ``--load-format dummy --hf-overrides '{...}'`` and
-``--random-prompts`` (token ids). On the H200 pass
-``--additional-config '{"gdn_prefill_backend": "triton"}'`` for GDN targets
-(../shared/device/README.md).
+Usage, outputs and full-size (dummy-weight) runs: see the docstring of vllm_hybridspec/compare.py.
 """
 
 from __future__ import annotations

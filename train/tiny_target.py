@@ -107,3 +107,34 @@ def build_tiny_target(spec: TinyTarget, out_dir: str | Path) -> Path:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# A tiny hybrid Qwen3-Next in the shapes vLLM's GDN path expects (attention head dim 64, GDN heads
+# 2 key / 4 value of dim 32, full attention every 4th layer, 8 experts), as transformers config
+# fields; the vLLM engine tests and examples/gdn_layer_gpu_check.py build it (overriding
+# ``vocab_size`` and more as they need). The large init std spreads the random logits.
+TINY_QWEN3_NEXT = {
+    "model_type": "qwen3_next", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+    "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": [],
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "initializer_range": 0.2,
+}
+
+
+def save_tiny_qwen3_next(out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 1234,
+                         **overrides) -> Path:
+    """Write random weights (no tokenizer) of :data:`TINY_QWEN3_NEXT`, its fields updated by
+    ``overrides``, to ``out_dir``; deterministic in ``seed``. Returns ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, **overrides})
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(out_dir)
+    return Path(out_dir)

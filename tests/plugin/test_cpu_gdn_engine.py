@@ -7,37 +7,19 @@ choice; the test therefore teacher-forces vLLM's tokens into transformers and co
 probabilities, which a wrong state layout, chunk carry or decode update would move by nats."""
 
 import json
-import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.timeout(900)
+# TINY_QWEN3_NEXT: test_gdn_layer_engine imports it from here
+from vllm_hybridspec.train.tiny_target import TINY_QWEN3_NEXT, save_tiny_qwen3_next  # noqa: F401
 
-TINY_QWEN3_NEXT = {
-    "model_type": "qwen3_next", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
-    "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": [],
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "initializer_range": 0.2,
-}
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
 def tiny_hybrid(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny_qwen3_next")
-    config = AutoConfig.for_model(**TINY_QWEN3_NEXT)
-    config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    path = save_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"), dtype=torch.bfloat16, seed=1234)
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_next"
     return str(path)
 
