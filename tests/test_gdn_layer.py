@@ -99,28 +99,31 @@ def bare_layer(gen, HK, HV, K, V, width, num_slots):
     return layer, conv
 
 
-def test_gpu_verify_and_commit_equal_the_cpu_path():
-    """The GPU path's glue (``gdn_verify`` + ``gdn_commit`` through ``_verify_gpu`` /
-    ``_commit_states_gpu``, run by Triton's interpreter on CPU tensors) against the CPU path
-    (``chunk_verify`` + ``reconstruct_state``) on the same round: outputs, states and conv windows.
-    The two paths read the pool in their platforms' layouts (CPU ops: ``[HV, K, V]`` view = ``S^T``)."""
+def spec_metadata(lengths, rows, slots, batch):
+    """The fields of vLLM's GDNAttentionMetadata the spec layout reads (a fresh object, as vLLM
+    builds one per KV-cache group and step)."""
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    mask = torch.zeros(batch, dtype=torch.bool)
+    mask[rows] = True
+    return SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
+                           spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
+                           spec_sequence_masks=mask)
+
+
+def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commit, batch):
+    """One round through the CPU path and the GPU path from the same pools; outputs, states and conv
+    windows must agree. Sequences with slot 0 (padding) are skipped by both."""
     from vllm_hybridspec.gdn_layer import _commit_states_gpu
     from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)  # fresh every run
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    # a batch of 5 rows; rows 0, 2, 3 and 4 are spec rows with 1 + drafts tokens
-    lengths, rows, slots, commit = [3, 1, 5, 4], [0, 2, 3, 4], [7, 2, 5, 0], [2, 1, 5, 3]  # slot 0: padding
-    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    md = SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
-                         spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
-                         spec_sequence_masks=torch.tensor([True, False, True, True, True]))
+    HV, V, K = S.shape[1:]
+    num_slots = S.shape[0]
+    md = spec_metadata(lengths, rows, slots, batch)
+    cu = md.spec_query_start_loc.tolist()
     T = cu[-1]
-    x = torch.randn(T, 2 * HK * K + HV * V, generator=gen)
+    x = torch.randn(T, layer.conv1d.weight.shape[0], generator=gen)  # [T, conv_dim] pre-conv
     b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2  # the states, [HV, V, K] per slot
-    num_committed = [0] * 5
+    num_committed = [0] * batch
     for row, m in zip(rows, commit):
         num_committed[row] = m
 
@@ -142,10 +145,87 @@ def test_gpu_verify_and_commit_equal_the_cpu_path():
     _commit_states_gpu([layer], torch.tensor(num_committed))
     layer.commit_conv(num_committed)
 
-    spec_tokens = cu[3]  # the padding row (slot 0) is skipped by both
-    assert rel_err(o_gpu[:spec_tokens], o_cpu[:spec_tokens]) < 1e-4
+    real = [i for i, slot in enumerate(slots) if slot > 0]
+    for i in real:
+        s, e = cu[i], cu[i + 1]
+        assert rel_err(o_gpu[s:e], o_cpu[s:e]) < 1e-4, i
     assert rel_err(gpu_pool, cpu_states) < 1e-4
     assert torch.equal(layer.kv_cache[0], cpu_conv)
-    for slot, m in zip(slots[:3], commit[:3]):  # the committed states moved, untouched slots did not
-        assert rel_err(gpu_pool[slot], S[slot]) > 1e-3, slot
-    assert torch.equal(gpu_pool[1], S[1]) and torch.equal(gpu_pool[0], S[0])
+    for i in real:  # the committed states moved, untouched slots did not
+        assert rel_err(gpu_pool[slots[i]], S[slots[i]]) > 1e-3, slots[i]
+    for slot in set(range(num_slots)) - {slots[i] for i in real}:
+        assert torch.equal(gpu_pool[slot], S[slot]), slot
+
+
+def test_gpu_verify_and_commit_equal_the_cpu_path():
+    """The GPU path's glue (``gdn_verify`` + ``gdn_commit`` through ``_verify_gpu`` /
+    ``_commit_states_gpu``, run by Triton's interpreter on CPU tensors) against the CPU path
+    (``chunk_verify`` + ``reconstruct_state``) on the same round: outputs, states and conv windows.
+    The two paths read the pool in their platforms' layouts (CPU ops: ``[HV, K, V]`` view = ``S^T``)."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)  # fresh every run
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2  # the states, [HV, V, K] per slot
+    # a batch of 5 rows; rows 0, 2, 3 and 4 are spec rows with 1 + drafts tokens; slot 0: padding
+    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5, 4], rows=[0, 2, 3, 4], slots=[7, 2, 5, 0],
+                                commit=[2, 1, 5, 3], batch=5)
+
+
+def test_gpu_layout_is_read_once_per_metadata_object_and_never_reused_across_steps(monkeypatch):
+    """``_step_layout`` (the GPU path's per-step layout cache): the layers of one KV-cache group
+    share one metadata object in a step and read its layout once; every new metadata object (the
+    next step, another group) is read anew, even when Python reuses a freed object's id; the device
+    tensors are copies, unaffected when vLLM refills its metadata buffers for the next step."""
+    from vllm_hybridspec import gdn_layer
+    from vllm_hybridspec.gdn_layer import SpecLayout, _step_layout, commit_rounds
+
+    reads = []  # a count; holding the objects would keep their ids from being reused
+    read = SpecLayout.read.__func__
+    monkeypatch.setattr(SpecLayout, "read", classmethod(lambda cls, md: reads.append(1) or read(cls, md)))
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+
+    def expect(layout, lengths, rows, slots):
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        assert (layout.rows, layout.slots, layout.cu, layout.max_len) == (rows, slots, cu, max(lengths))
+        assert layout.rows_dev.tolist() == rows and layout.slots_dev.tolist() == slots
+        assert layout.cu_dev.tolist() == cu
+        assert layout.slots_dev.dtype == layout.cu_dev.dtype == torch.int32
+
+    md = spec_metadata([3, 2], [1, 3], [4, 6], batch=5)
+    first = _step_layout(md)
+    assert _step_layout(md) is first and len(reads) == 1  # the group's other layers: no second read
+    expect(first, [3, 2], [1, 3], [4, 6])
+    md.spec_query_start_loc.fill_(0)  # vLLM refills its buffers for the next step
+    md.spec_state_indices_tensor.fill_(0)
+    expect(first, [3, 2], [1, 3], [4, 6])
+    commit_rounds(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={})),
+                  torch.zeros(5, 4, dtype=torch.long))
+    assert not gdn_layer._layouts  # the commit ends the step's cache
+
+    # steps with fresh metadata objects, each dropped after its step (so ids get reused), without a
+    # commit in between: the cache must tell them apart by the object, not by its id
+    for step in range(8):
+        batch = int(torch.randint(1, 7, (1,), generator=gen))
+        n = int(torch.randint(1, batch + 1, (1,), generator=gen))
+        rows = sorted(torch.randperm(batch, generator=gen)[:n].tolist())
+        slots = (torch.randperm(20, generator=gen)[:n] + 1).tolist()
+        lengths = torch.randint(1, 9, (n,), generator=gen).tolist()
+        md = spec_metadata(lengths, rows, slots, batch)
+        expect(_step_layout(md), lengths, rows, slots)
+        assert len(reads) == 2 + step
+        del md
+
+
+def test_gpu_path_across_steps_with_different_layouts():
+    """Two consecutive rounds through the GPU path with different batches (rows, slots, lengths),
+    no commit_rounds in between to empty the layout cache: each round must use its own layout."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+    # the second round is the longer one: a stale layout would stay inside its tensors (no crash) and
+    # give wrong slots and offsets
+    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[4, 2], rows=[1, 2], slots=[3, 8], commit=[4, 1],
+                                batch=3)
+    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5], rows=[0, 2, 3], slots=[7, 2, 5],
+                                commit=[2, 1, 5], batch=4)

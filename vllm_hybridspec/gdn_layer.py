@@ -138,19 +138,81 @@ def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], 
     )
 
 
-@dataclass
-class VerifiedRound:
-    """What a layer keeps between verify (forward) and commit (after rejection sampling).
+@dataclass(eq=False)  # identity: the fields hold tensors
+class SpecLayout:
+    """The spec sequences of one batch, read from one attention-metadata object.
 
     rows: the batch row (input-batch order) of each spec sequence; slots: its state slot; cu: token
-    offsets of the sequences (``[Ns + 1]``); x: each sequence's pre-conv inputs ``[u_i, conv_dim]``
-    (model dtype); factors: per sequence :class:`CompactFactors` (CPU), or the batch's
-    ``VerifyFactors`` ``[T_spec, ...]`` from ``gdn_verify`` (GPU)."""
+    offsets of the sequences (``[Ns + 1]``); max_len: the longest round (the verify kernel's ``U``);
+    key: ``(slots, cu)`` as tuples, for grouping commit launches. ``rows_dev`` (int64), ``slots_dev``
+    and ``cu_dev`` (int32): the same on the metadata's device, fresh tensors rather than views of the
+    metadata's (``spec_query_start_loc`` is a view of the runner's persistent ``query_start_loc``,
+    refilled for the next step), so the commit after sampling reads exactly the layout verified.
+
+    Why one object: reading the layout costs a device->host sync on a GPU; :meth:`read` does it with
+    one transfer (and no ``nonzero``, which syncs by itself), and :func:`_step_layout` once per
+    metadata object, i.e. once per KV-cache group and step instead of once per layer."""
 
     rows: list[int]
     slots: list[int]
     cu: list[int]
-    x: list[torch.Tensor]
+    max_len: int
+    key: tuple
+    rows_dev: torch.Tensor
+    slots_dev: torch.Tensor
+    cu_dev: torch.Tensor
+
+    @classmethod
+    def read(cls, md) -> SpecLayout:
+        n = md.num_spec_decodes
+        # the batch rows of the spec sequences, as nonzero(mask)[:n]: a stable sort puts the True
+        # rows first, in batch order, in a tensor whose size is known without reading the mask
+        rows = md.spec_sequence_masks.to(torch.int32).sort(descending=True, stable=True).indices[:n]
+        packed = torch.cat([md.spec_query_start_loc[: n + 1].long(), md.spec_state_indices_tensor[:n, 0].long(),
+                            rows.long()])
+        host = packed.tolist()  # the one device->host read
+        cu, slots, rows_h = host[: n + 1], host[n + 1: 2 * n + 1], host[2 * n + 1:]
+        return cls(rows=rows_h, slots=slots, cu=cu, max_len=max((cu[i + 1] - cu[i] for i in range(n)), default=0),
+                   key=(tuple(slots), tuple(cu)), rows_dev=packed[2 * n + 1:],
+                   slots_dev=packed[n + 1: 2 * n + 1].to(torch.int32), cu_dev=packed[: n + 1].to(torch.int32))
+
+
+# _step_layout's cache: id(metadata) -> (metadata, its SpecLayout). The entry holds the metadata
+# object itself, so its id cannot be reused by the next step's metadata while the entry lives (an
+# id-only key could hand a later step a stale layout).
+_layouts: dict[int, tuple[object, SpecLayout]] = {}
+_MAX_CACHED_LAYOUTS = 32
+
+
+def _step_layout(md) -> SpecLayout:
+    """``SpecLayout.read(md)``, once per metadata object (GPU path).
+
+    Why it is safe: vLLM's runner builds a new ``GDNAttentionMetadata`` per KV-cache group every
+    step (the GDN builder does not support ``update_block_table``, so nothing is reused across
+    steps) and hands the same object to every layer of the group; a hit therefore means the same
+    step and the same group. :func:`commit_rounds` empties the cache after each commit; the size
+    bound covers steps that verify without a commit (dummy runs)."""
+    hit = _layouts.get(id(md))
+    if hit is not None and hit[0] is md:
+        return hit[1]
+    if len(_layouts) >= _MAX_CACHED_LAYOUTS:
+        _layouts.clear()
+    layout = SpecLayout.read(md)
+    _layouts[id(md)] = (md, layout)
+    return layout
+
+
+@dataclass
+class VerifiedRound:
+    """What a layer keeps between verify (forward) and commit (after rejection sampling).
+
+    layout: the round's :class:`SpecLayout` (rows, slots, token offsets); x: the spec sequences'
+    pre-conv inputs ``[T_spec, conv_dim]`` (model dtype), packed as ``layout.cu`` (one copy per
+    layer rather than one per sequence); factors: per sequence :class:`CompactFactors` (CPU), or the
+    batch's ``VerifyFactors`` ``[T_spec, ...]`` from ``gdn_verify`` (GPU)."""
+
+    layout: SpecLayout
+    x: torch.Tensor
     factors: list[CompactFactors] | VerifyFactors
 
 
@@ -289,28 +351,28 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         out_n = non_spec(*(t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a)))
         core_attn_out.index_copy_(0, non_spec_index, out_n.to(core_attn_out.dtype))
 
-    def _spec_conv(self, md, x):
+    def _spec_conv(self, layout: SpecLayout, x):
         """The spec rows' convolution from each slot's window, without writing the pool.
-        x ``[T_spec, conv_dim]`` (pre-conv) -> (conv_out ``[T_spec, conv_dim]``, rows, slots, cu)."""
+        x ``[T_spec, conv_dim]`` (pre-conv) -> conv_out ``[T_spec, conv_dim]``. A loop over sequences
+        on host ints (the layout's lists): no device->host reads."""
         cpu = vllm_cpu_gdn_paths()
-        n = md.num_spec_decodes
-        cu = md.spec_query_start_loc[: n + 1].tolist()
-        slots = md.spec_state_indices_tensor[:n, 0].tolist()
-        rows = torch.nonzero(md.spec_sequence_masks).flatten().tolist()[:n]
+        cu, slots = layout.cu, layout.slots
         conv = cpu.conv_view(self)  # [slots, conv_dim, K_conv - 1]
         weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
         conv_out = torch.empty_like(x)
-        for i in range(n):
+        for i in range(len(slots)):
             s, e = cu[i], cu[i + 1]
             window = conv[slots[i]].clone()[None]  # a copy: the pool keeps the accepted window
             conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
                                             self.activation)[0].T
-        return conv_out, rows, slots, cu
+        return conv_out
 
     def _verify_cpu(self, md, x, b, a) -> torch.Tensor:
         """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
         x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
-        conv_out, rows, slots, cu = self._spec_conv(md, x)
+        layout = SpecLayout.read(md)  # CPU tensors: no sync to save, so no cache either
+        cu, slots = layout.cu, layout.slots
+        conv_out = self._spec_conv(layout, x)
         ssm = vllm_cpu_gdn_paths().ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (CPU ops' layout)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)  # [T, HV] fp32
@@ -322,42 +384,41 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             o, f = chunk_verify(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S0, use_qk_l2norm=True)
             out[s:e] = o.to(out.dtype)
             factors.append(f)
-        self.verified_round = VerifiedRound(rows, slots, cu, [x[cu[i]:cu[i + 1]].clone() for i in range(len(slots))],
-                                            factors)
+        self.verified_round = VerifiedRound(layout, x.clone(), factors)
         return out
 
     def _verify_gpu(self, md, x, b, a) -> torch.Tensor:
         """``gdn_verify`` over all spec sequences (one launch), reading ``S_0`` from the pool
-        ``[slots, HV, V, K]`` fp32 and writing only outputs and factors."""
+        ``[slots, HV, V, K]`` fp32 and writing only outputs and factors. The layout comes from
+        :func:`_step_layout` (read once per step and KV-cache group, kept on the device), so a layer
+        whose group was already read this step makes no device->host read and no host->device copy."""
         from vllm_hybridspec.kernels.gdn import gdn_verify
 
-        conv_out, rows, slots, cu = self._spec_conv(md, x)
+        layout = _step_layout(md)
+        conv_out = self._spec_conv(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
-        max_len = max(cu[i + 1] - cu[i] for i in range(len(slots)))
-        device = x.device
         o, factors = gdn_verify(q, k, v, g=a, beta=b, A_log=self.A_log, dt_bias=self.dt_bias,
-                                state=self.kv_cache[1], state_indices=torch.tensor(slots, dtype=torch.int32,
-                                                                                   device=device),
-                                cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device), max_len=max_len)
-        self.verified_round = VerifiedRound(rows, slots, cu, [x[cu[i]:cu[i + 1]].clone() for i in range(len(slots))],
-                                            factors)
+                                state=self.kv_cache[1], state_indices=layout.slots_dev,
+                                cu_seqlens=layout.cu_dev, max_len=layout.max_len)
+        self.verified_round = VerifiedRound(layout, x.clone(), factors)
         return o.to(x.dtype)
 
     def commit_conv(self, num_committed: list[int]) -> None:
         """Shift every spec sequence's conv window by its ``m`` committed inputs."""
         done = self.verified_round
+        layout = done.layout
         conv = vllm_cpu_gdn_paths().conv_view(self)
         width = conv.shape[-1]
-        for row, slot, x in zip(done.rows, done.slots, done.x):
+        for row, slot, s in zip(layout.rows, layout.slots, layout.cu):
             m = num_committed[row]
             if slot > 0 and m > 0:  # slot 0: vLLM's null block (padding); m = 0: a discarded row
-                conv[slot] = torch.cat([conv[slot], x[:m].T.to(conv.dtype)], dim=-1)[:, -width:]
+                conv[slot] = torch.cat([conv[slot], done.x[s:s + m].T.to(conv.dtype)], dim=-1)[:, -width:]
 
     def commit_state_cpu(self, num_committed: list[int]) -> None:
         """``S_m`` from ``S_0`` and the factors, per sequence (``reconstruct_state``, Eq. 7)."""
         done = self.verified_round
         ssm = vllm_cpu_gdn_paths().ssm_view(self)
-        for row, slot, f in zip(done.rows, done.slots, done.factors):
+        for row, slot, f in zip(done.layout.rows, done.layout.slots, done.factors):
             m = num_committed[row]
             if slot > 0 and m > 0:
                 S0 = ssm[slot].float().transpose(-1, -2)
@@ -370,10 +431,11 @@ def commit_rounds(runner, sampled_token_ids: torch.Tensor, scheduler_output=None
     (``m`` = accepted drafts + 1 = the non-(-1) count)."""
     layers = [layer for layer in runner.compilation_config.static_forward_context.values()
               if isinstance(layer, HSpecQwenGDN) and layer.verified_round is not None]
+    _layouts.clear()  # this step's layouts live on in the verified rounds; the next step reads anew
     if not layers:
         return
     num_committed_dev = (sampled_token_ids != -1).sum(dim=1)
-    num_committed = num_committed_dev.tolist()
+    num_committed = num_committed_dev.tolist()  # one read per step, for the conv windows' host loop
     if sampled_token_ids.is_cuda:
         _commit_states_gpu(layers, num_committed_dev)
     else:
@@ -386,21 +448,20 @@ def commit_rounds(runner, sampled_token_ids: torch.Tensor, scheduler_output=None
 
 def _commit_states_gpu(layers, num_committed_dev) -> None:
     """``gdn_commit``: one launch per set of layers that share state slots (vLLM's hybrid allocator
-    gives each KV-cache group of GDN layers its own block ids)."""
+    gives each KV-cache group of GDN layers its own block ids). The offsets, slots and rows are the
+    layout's device tensors: no host->device copies (each was a stream sync)."""
     from vllm_hybridspec.kernels.gdn import gdn_commit
 
     groups: dict[tuple, list] = {}
     for layer in layers:
-        groups.setdefault((tuple(layer.verified_round.slots), tuple(layer.verified_round.cu)), []).append(layer)
-    for (slots, cu), group in groups.items():
+        groups.setdefault(layer.verified_round.layout.key, []).append(layer)
+    for group in groups.values():
         rounds = [layer.verified_round for layer in group]
-        device = num_committed_dev.device
+        layout = rounds[0].layout  # the group's layouts are equal (same key, same batch rows)
         factors = VerifyFactors(torch.stack([r.factors.z for r in rounds]), torch.stack([r.factors.k for r in rounds]),
                                 torch.stack([r.factors.g_cum for r in rounds]))
-        rows = torch.tensor(rounds[0].rows, dtype=torch.long, device=device)
-        gdn_commit([layer.kv_cache[1] for layer in group], factors, torch.tensor(cu, dtype=torch.int32, device=device),
-                   torch.tensor(slots, dtype=torch.int32, device=device),
-                   num_committed_dev[rows].to(torch.int32))
+        gdn_commit([layer.kv_cache[1] for layer in group], factors, layout.cu_dev, layout.slots_dev,
+                   num_committed_dev[layout.rows_dev].to(torch.int32))
 
 
 def one_slot_page_shape(vllm_config, hf_text_config):

@@ -84,7 +84,12 @@ class StatePointers:
         self.states = list(states)
         self.shape = tuple(first.shape)
         self.stride_slot = first.stride(0)
-        self.ptrs = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64, device=first.device)
+        ptrs = torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
+        # torch.tensor(..., device="cuda") would copy from pageable memory and wait for the stream
+        # (a host sync per build, i.e. per commit launch when built inside gdn_commit); a pinned
+        # buffer copied with non_blocking does not, and the copy stays ordered before the launch
+        self.ptrs = (ptrs.pin_memory().to(first.device, non_blocking=True) if first.is_cuda
+                     else ptrs.to(first.device))
 
 
 def gdn_commit(
