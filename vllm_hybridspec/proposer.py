@@ -88,13 +88,15 @@ class RunnerDFlashProposer(DFlashProposer):
             token_indices_to_sample, cad, sampling_metadata, mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings)
         capture = self.round_capture
+        w_rem = None  # [N], computed once for the capture and the selector
         if capture is not None:
             if drafts.shape[1] == 0 or self._signals is None:
                 capture.skipped()
             else:
                 k = drafts.shape[1]
                 top1, ent = (x.view(-1, k)[:N] for x in self._signals)
-                capture.drafted(self.runner, top1, ent, remaining_budget(self.runner, prefix_lens, k))
+                w_rem = remaining_budget(self.runner, prefix_lens, k)
+                capture.drafted(self.runner, top1, ent, w_rem)
         if selector is None or drafts.shape[1] == 0:
             return drafts
         if not selector.speculate(N):
@@ -102,7 +104,9 @@ class RunnerDFlashProposer(DFlashProposer):
         if selector.trims and self._signals is not None:
             k = drafts.shape[1]
             top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
-            selector.select(drafts, top1, ent, remaining_budget(self.runner, prefix_lens, k))
+            if w_rem is None:
+                w_rem = remaining_budget(self.runner, prefix_lens, k)
+            selector.select(drafts, top1, ent, w_rem)
         return drafts
 
 
@@ -121,6 +125,7 @@ class HSpecProposer(RunnerDFlashProposer):
                 f"{cache_dtype!r} is not supported yet (use 'auto')"
             )
         super().load_model(target_model)
+        self.model.upcast_ssm_parameters()  # after loading: the per-round float32 reads become no-ops
 
     def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
         self.model.embed_tokens = target_language_model.model.embed_tokens
@@ -165,15 +170,17 @@ class HSpecProposer(RunnerDFlashProposer):
         if num_rejected_tokens_gpu is not None:
             last = last - num_rejected_tokens_gpu[:N]
             prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
-        last_hidden = target_hidden_states[last.long()]  # [N, n_selected * hidden]
+        # index_select takes int32 or int64 indices as they are (no conversion kernel)
+        last_hidden = target_hidden_states.index_select(0, last)  # [N, n_selected * hidden]
         prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
         block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         self.last_draft = block
-        if self.round_capture is not None:
+        w_rem = None  # [N], computed once for the capture and the selector
+        if self.round_capture is not None or (selector is not None and selector.trims):
             w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)
+        if self.round_capture is not None:
             self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
         if selector is not None and selector.trims:
-            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)  # [N]
             selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)
         return block.tokens
 

@@ -47,6 +47,7 @@ class LengthSelector:
         self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
         self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
         self._cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
         self._event = _Ready()
         self._cuda_event = self._stream = None
         if device.type == "cuda":
@@ -78,11 +79,11 @@ class LengthSelector:
         a round may still produce for each request (>= 1). Returns ``num_valid`` [N] int32."""
         n, k = drafts.shape
         self.steps += 1
-        w_max = torch.full_like(w_rem, k + 1)
         if self.options.fixed_length is not None:
-            w = torch.minimum(torch.full_like(w_rem, self.options.fixed_length), w_rem)
+            w = w_rem.clamp(max=self.options.fixed_length)  # min(fixed_length, w_rem), one kernel
         elif not self.options.select or k != self.policy.draft_len:
-            w = w_max  # gate only (or a step vLLM asked for fewer than K drafts): verify everything
+            # gate only (or a step vLLM asked for fewer than K drafts): verify everything
+            w = torch.full_like(w_rem, k + 1)
         elif self.options.batched:
             p, _, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
             c = self.policy.batched_cost(n)
@@ -96,7 +97,8 @@ class LengthSelector:
             from vllm_hybridspec.vllm_internals import broadcast_from_tp_rank0
 
             num_valid = broadcast_from_tp_rank0(num_valid)
-        self.length_counts.index_add_(0, (num_valid + 1).long(), torch.ones_like(w))
+        # length_counts[num_valid + 1] += 1, indexing the view from 1 with num_valid as it is
+        self.length_counts[1:].index_add_(0, num_valid, self._ones[:n])
         self.drafts, self.num_valid = drafts, num_valid
         self._copy_to_host(num_valid)
         return num_valid
@@ -161,11 +163,17 @@ def remaining_budget(runner, prefix_lens: torch.Tensor, k: int) -> torch.Tensor:
     batch = runner.input_batch
     n = prefix_lens.shape[0]
     max_model_len = runner.max_model_len
-    end = np.empty(n, dtype=np.int64)
+    end = np.empty(n, dtype=np.int64)  # budget_end - 1: the anchor's "+ 1" folded in on the host
     for i, req_id in enumerate(batch.req_ids[:n]):
         state = runner.requests[req_id]
         prompt = state.num_prompt_tokens
         max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
-        end[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt)
-    end_dev = torch.from_numpy(end).to(prefix_lens.device, non_blocking=True)
-    return (end_dev - (prefix_lens.long() + 1)).clamp(1, k + 1)
+        end[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt) - 1
+    end_host = torch.from_numpy(end)
+    if prefix_lens.device.type == "cuda":
+        # from pageable memory a "non_blocking" copy may wait for the stream (CUDA's API sync notes:
+        # the driver may synchronize with the stream to stage pageable memory); from pinned memory it
+        # is queued (the caching host allocator keeps the block until the copy is done)
+        end_host = end_host.pin_memory()
+    end_dev = end_host.to(prefix_lens.device, non_blocking=True)
+    return torch.sub(end_dev, prefix_lens).clamp_(1, k + 1)  # int64 - int32/int64 -> int64

@@ -22,8 +22,9 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_hybridspec.drafter.attention import RotaryEmbedding, request_block_mask
+from vllm_hybridspec.drafter.attention import RotaryEmbedding
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
+from vllm_hybridspec.drafter.mamba2 import GatedGroupRMSNorm, Mamba2Mixer
 from vllm_hybridspec.drafter.model import DraftBlock, HSpecLayer, StateInjection
 from vllm_hybridspec.vllm_internals import paged_kv_views
 
@@ -42,12 +43,29 @@ def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
     return layers
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``cache`` ``[num_blocks, kv_heads, block_size, D]``, ``blocks`` ``[N, n_blocks]`` ->
-    ``[N, kv_heads, capacity, D]``."""
-    x = cache[blocks]  # [N, n_blocks, kv_heads, block_size, D]
-    N, n_blocks, heads, block_size, _ = x.shape
-    return x.transpose(1, 2).reshape(N, heads, n_blocks * block_size, -1)[:, :, :capacity]
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``cache`` ``[num_blocks, kv_heads, block_size, D]``, ``blocks`` ``[N, n_blocks]`` long,
+    ``heads`` ``arange(kv_heads)`` long -> ``[N, kv_heads, capacity, D]``: one gather kernel that
+    writes the ``[N, kv_heads, n_blocks, block_size, D]`` layout directly (``cache[blocks]`` followed
+    by a transpose would copy twice)."""
+    x = cache[blocks[:, None, :], heads[None, :, None]]  # [N, kv_heads, n_blocks, block_size, D]
+    N, n_heads, n_blocks, block_size, D = x.shape
+    return x.reshape(N, n_heads, n_blocks * block_size, D)[:, :, :capacity]
+
+
+def _kv_halves_of(kv_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``k_cache`` and ``v_cache`` are exactly ``kv_cache[..., :D]`` and ``kv_cache[..., D:]``
+    (the FLASH_ATTN / TRITON_ATTN layout), so one gather of ``kv_cache`` reads both."""
+    D = k_cache.shape[-1]
+    return (
+        kv_cache.dim() == 4
+        and tuple(kv_cache.shape) == (*k_cache.shape[:-1], 2 * D)
+        and k_cache.shape == v_cache.shape
+        and k_cache.stride() == v_cache.stride() == kv_cache.stride()
+        and k_cache.dtype == v_cache.dtype == kv_cache.dtype
+        and k_cache.data_ptr() == kv_cache.data_ptr()
+        and v_cache.data_ptr() == kv_cache.data_ptr() + D * kv_cache.element_size()
+    )
 
 
 class HSpecForVLLM(nn.Module):
@@ -109,6 +127,11 @@ class HSpecForVLLM(nn.Module):
         # the target's, bound by HSpecProposer.load_model
         self.embed_tokens: nn.Module | None = None
         self.target_compute_logits = None
+        # per-round constants (aranges, the block's causal mask, RoPE frequencies), made once per
+        # device and key on first use; plain attributes, not buffers, so the state dict is unchanged
+        self._constants: dict[tuple, torch.Tensor] = {}
+        # parameters kept in float32 by upcast_ssm_parameters: name -> the dtype they were loaded in
+        self._upcast_dtypes: dict[str, torch.dtype] = {}
 
     # --- vLLM model interface (the proposer drives the drafter through `draft`) -----------------------
 
@@ -134,10 +157,47 @@ class HSpecForVLLM(nn.Module):
                     f"H-Spec checkpoint weight {name!r} has shape {tuple(tensor.shape)}, expected "
                     f"{tuple(params[name].shape)}"
                 )
+            if name in self._upcast_dtypes:  # a reload after upcast_ssm_parameters: round as at load
+                tensor = tensor.to(self._upcast_dtypes[name])
             with torch.no_grad():
                 params[name].copy_(tensor)
             loaded.add(name)
         return loaded
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def upcast_ssm_parameters(self) -> None:
+        """Store the Mamba mixers' ``A_log``, ``D``, ``dt_bias`` and gated-norm weight in float32.
+
+        The mixer reads each of them as float32 on every call (``A_log.to(float32)``, ``D.float()``,
+        ``dt_bias.float()``, ``weight.to(float32)``): a conversion kernel per parameter, layer and
+        round. Converting the loaded values once gives every round the same float32 numbers (the
+        conversion from bfloat16 / float16 is exact), so drafts are unchanged. Call after the
+        weights are loaded; ``load_weights`` rounds later reloads of these to the original dtype."""
+        for name, param in self.named_parameters():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            attr = name.rsplit(".", 1)[1]
+            wanted = (isinstance(owner, Mamba2Mixer) and attr in ("A_log", "D", "dt_bias")) or (
+                isinstance(owner, GatedGroupRMSNorm) and attr == "weight"
+            )
+            if not wanted or param.dtype not in (torch.bfloat16, torch.float16):
+                continue
+            self._upcast_dtypes[name] = param.dtype
+            param.data = param.data.float()
+
+    def _constant(self, key: tuple, device: torch.device, make) -> torch.Tensor:
+        value = self._constants.get((*key, device))
+        if value is None:
+            value = self._constants[(*key, device)] = make()
+        return value
+
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        """``torch.arange(n, device=device)`` (int64), a slice of one cached arange."""
+        have = self._constants.get(("arange", device))
+        if have is None or have.shape[0] < n:
+            have = self._constants["arange", device] = torch.arange(
+                max(n, 2 * (have.shape[0] if have is not None else 0), 4096), device=device)
+        return have[:n]
 
     # --- drafting --------------------------------------------------------------------------------------
 
@@ -149,6 +209,7 @@ class HSpecForVLLM(nn.Module):
         ceil(capacity / block_size)]``. A transient read; nothing is kept or written."""
         out = []
         N = block_table.shape[0]
+        blocks = {}  # block size -> [N, n_blocks] long, shared by the layers
         for reader in self.kv_readers:
             kv_cache = reader.kv_cache
             if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:  # profiling: no cache yet
@@ -160,8 +221,17 @@ class HSpecForVLLM(nn.Module):
             k_cache, v_cache = paged_kv_views(
                 kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None)
             )
-            blocks = block_table[:, : -(-capacity // k_cache.shape[2])].long()  # [N, n_blocks]
-            out.append((_gather_blocks(k_cache, blocks, capacity), _gather_blocks(v_cache, blocks, capacity)))
+            block_size = k_cache.shape[2]
+            if block_size not in blocks:
+                blocks[block_size] = block_table[:, : -(-capacity // block_size)].long()  # [N, n_blocks]
+            heads = self._arange(k_cache.shape[1], block_table.device)
+            if _kv_halves_of(kv_cache, k_cache, v_cache):
+                kv = _gather_blocks(kv_cache, blocks[block_size], heads, capacity)  # one read for K and V
+                D = k_cache.shape[-1]
+                out.append((kv[..., :D], kv[..., D:]))
+            else:
+                out.append((_gather_blocks(k_cache, blocks[block_size], heads, capacity),
+                            _gather_blocks(v_cache, blocks[block_size], heads, capacity)))
         return out
 
     @torch.inference_mode()
@@ -179,33 +249,69 @@ class HSpecForVLLM(nn.Module):
         N, L = anchor_ids.shape[0], num_draft + 1
         device = anchor_ids.device
         capacity = prefix_kv[0][0].shape[2] if prefix_kv else 0
-        positions = prefix_lens[:, None].long() + torch.arange(L, device=device)  # [N, L]
-        block_ids = torch.full((N, L), self.config.mask_token_id, dtype=torch.long, device=device)
-        block_ids[:, 0] = anchor_ids
-        mask = request_block_mask(prefix_lens.long(), capacity, L, self.config.sliding_window)
+        prefix_lens = prefix_lens.long()
+        positions = prefix_lens[:, None] + self._arange(L, device)  # [N, L]
+        mask_ids = self._constant(("mask_ids", L - 1), device, lambda: torch.full(
+            (1, L - 1), self.config.mask_token_id, dtype=torch.long, device=device))
+        block_ids = torch.cat([anchor_ids[:, None], mask_ids.expand(N, -1)], dim=1)  # [N, L] long
+        mask = self._block_mask(prefix_lens, positions, capacity, L)
         state = self.state_injection(last_hidden)  # [N, H, P, S] fp32
         hidden = self.embed_tokens(block_ids)  # [N, L, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        cos, sin = self._rope(positions, hidden.dtype)
         kv = iter(prefix_kv)
         for layer in self.layers:
             hidden = layer(hidden, state, cos, sin, next(kv) if layer.self_attn is not None else None, mask)
         return self.draft_heads(hidden, anchor_ids)
 
+    def _block_mask(self, prefix_lens: torch.Tensor, positions: torch.Tensor, capacity: int, L: int) -> torch.Tensor:
+        """``request_block_mask(prefix_lens, capacity, L, sliding_window)`` from cached constants, with
+        ``positions`` = its query positions ``prefix_lens[:, None] + arange(L)``. The window term is
+        left out when it cannot mask anything: every prefix key ``s < prefix_len <= capacity`` lies
+        less than ``capacity + L - 1 < window`` positions before any query."""
+        device = prefix_lens.device
+        window = self.config.sliding_window
+        kv_pos = self._arange(capacity, device)  # [T]
+        prefix = kv_pos[None, None, :] < prefix_lens[:, None, None]  # [N, 1, T]
+        if window is not None and capacity + L > window:
+            prefix = prefix & (kv_pos[None, None, :] > positions[:, :, None] - window)  # [N, L, T]
+        block = self._constant(("tril", L), device,
+                               lambda: torch.ones(L, L, dtype=torch.bool, device=device).tril())
+        N = prefix_lens.shape[0]
+        return torch.cat([prefix.expand(-1, L, -1), block.expand(N, -1, -1)], dim=-1)[:, None]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self.rotary_emb(positions, dtype)`` with the inverse frequencies computed once (by the
+        same expression on the same device, so the same numbers)."""
+        rope = self.rotary_emb
+        device = positions.device
+        inv_freq = self._constant(("inv_freq",), device, lambda: 1.0 / (rope.theta ** (
+            torch.arange(0, rope.rotary_dim, 2, dtype=torch.float, device=device) / rope.rotary_dim)))
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def draft_heads(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> DraftBlock:
         """``HSpecDraftModel.draft_heads`` with the target's LM head: greedy tokens, top-1 probability
-        and entropy per draft position, fp32, all on device."""
+        and entropy per draft position, fp32, all on device.
+
+        The same arithmetic as the reference, in fewer kernels per position: the Markov bias is added
+        to the fp32 logits with type promotion (the bias is converted exactly inside the add instead
+        of by a separate ``.float()``), ``max`` gives the greedy token (the first maximal index, as
+        ``argmax``) and its log-probability in one kernel, and the elementwise tails (the top-1
+        ``exp``, the entropy's negation) run once on the stacked ``[N, K]`` values. The reductions
+        (log-softmax, max, the entropy sum) keep their per-position shapes."""
         N, L, d = hidden.shape
         logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).float().view(N, L - 1, -1)
         prev = anchor_ids
-        tokens, top1, entropy = [], [], []
+        tokens, top1_logp, plogp = [], [], []
         for k in range(L - 1):
             step = logits[:, k]
             if self.markov_head is not None:
-                step = step + self.markov_head.markov_w2(self.markov_head.prev_embeddings(prev)).float()
+                step = step + self.markov_head.markov_w2(self.markov_head.prev_embeddings(prev))
             logp = torch.log_softmax(step, dim=-1)
-            best = logp.argmax(dim=-1)
-            top1.append(logp.gather(-1, best[:, None]).squeeze(-1).exp())
-            entropy.append(-(logp.exp() * logp).sum(-1))
+            best_logp, best = logp.max(dim=-1)
+            top1_logp.append(best_logp)
+            plogp.append((logp.exp() * logp).sum(-1))
             prev = best
             tokens.append(best)
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(top1, 1), torch.stack(entropy, 1))
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1))
