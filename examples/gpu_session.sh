@@ -8,6 +8,7 @@
 #   bash examples/gpu_session.sh dense      # reference dense: plain / H-Spec / DFlash
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
+#   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
 #   bash examples/gpu_session.sh bench-dense / bench-hybrid
 #                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
 #                                           # reference model, C = 1,4,16,64, each config, + report
@@ -80,6 +81,17 @@ big1|big2)
       --config dflash="{\"method\": \"dflash\", \"model\": \"/tmp/full-shape/dflash\", $H7}" \
       --out "$R/compare-35b-2.json"
   fi
+  ;;
+profile)
+  # where a round's time goes at the 35B shape: plain step vs an H-Spec round verifying no draft (w = 1)
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
+  EA="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\", $SIZES}}"
+  run prof-plain python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
+    --engine-args "$EA" --out "$R/plain"
+  run prof-hspec python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 1}}" \
+    --engine-args "$EA" --out "$R/hspec-w1"
   ;;
 bench-dense|bench-hybrid)
   KIND="${STAGE#bench-}"

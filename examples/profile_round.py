@@ -1,0 +1,90 @@
+"""Where a decode round's time goes: a ``torch.profiler`` trace of a few ``LLMEngine.step`` calls of one
+in-process engine (CPU activity, plus CUDA activity on a GPU), summarised by operator.
+
+    python examples/profile_round.py --target /tmp/full-shape/target --load-format dummy \\
+        --speculative-config '{"method": "hspec", "model": "/tmp/full-shape/hspec", "num_speculative_tokens": 7,
+                               "hybridspec": {"gdn_kernel": true, "fixed_length": 1}}' \\
+        --engine-args '{"mamba_ssm_cache_dtype": "float32", "compilation_config": {"cudagraph_mode": "PIECEWISE"},
+                        "additional_config": {"gdn_prefill_backend": "triton"}}' --out /tmp/profile
+
+Writes ``<out>/ops.txt`` (operators by self time, CPU and CUDA), ``<out>/summary.json`` (step times,
+the share of each top-level phase: the target's forward, sampling, drafting) and, with ``--trace``,
+a Chrome trace. Without ``--speculative-config`` it profiles plain decoding, for the side-by-side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--speculative-config")
+    ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--trace", action="store_true", help="also write a Chrome trace (large)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    llm = LLM(model=args.target, skip_tokenizer_init=True, seed=0, load_format=args.load_format,
+              speculative_config=spec, async_scheduling=False, max_num_seqs=max(args.batch, 1),
+              **json.loads(args.engine_args))
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=(args.warmup + args.steps + 4) * 16, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, args.vocab, (args.prompt_len,),
+                                                                        generator=gen).tolist()}, params)
+    for _ in range(args.warmup):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    step_ms = []
+    with profile(activities=activities, record_shapes=False) as prof:
+        for _ in range(args.steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (args.out / "ops.txt").write_text(
+        averages.table(sort_by="self_cpu_time_total", row_limit=60) + "\n\n"
+        + (averages.table(sort_by=sort, row_limit=40) if sort != "self_cpu_time_total" else ""))
+    # the runner's named phases (vLLM's record_function ranges) and kernel launch counts
+    phases = {e.key: round(e.cpu_time_total / 1e3 / args.steps, 3) for e in averages
+              if e.key.startswith(("gpu_model_runner:", "execute_", "propose", "sample", "_"))
+              and e.cpu_time_total > 0}
+    launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    summary = {"speculative_config": spec, "batch": args.batch, "step_ms": step_ms,
+               "mean_step_ms": sum(step_ms) / len(step_ms), "kernel_launches_per_step": launches / args.steps,
+               "aten_ops_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) / args.steps,
+               "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if args.trace:
+        prof.export_chrome_trace(str(args.out / "trace.json"))
+    print(json.dumps({k: summary[k] for k in ("mean_step_ms", "kernel_launches_per_step", "aten_ops_per_step")}))
+
+
+if __name__ == "__main__":
+    main()
