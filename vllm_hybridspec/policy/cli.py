@@ -165,19 +165,8 @@ def costs(
             raise fail(ValueError(f"--{name} must be positive integers, got {text!r}"))
         return sorted(set(values))
 
-    def parse_json(text: str | None, name: str):
-        if text is None:
-            return None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise fail(ValueError(f"--{name} is not valid JSON ({e}): {text!r}")) from None
-        if not isinstance(value, dict):
-            raise fail(ValueError(f"--{name} must be a JSON object, got {text!r}"))
-        return value
-
-    spec = parse_json(speculative_config, "speculative-config")
-    extra = parse_json(engine_args, "engine-args")
+    spec = None if speculative_config is None else _json_object(speculative_config, "speculative-config")
+    extra = _json_object(engine_args, "engine-args")
     if spec is None and not plain:
         raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
     if spec is not None and "num_speculative_tokens" not in spec:
