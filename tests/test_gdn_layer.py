@@ -113,7 +113,7 @@ def spec_metadata(lengths, rows, slots, batch):
 def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commit, batch):
     """One round through the CPU path and the GPU path from the same pools; outputs, states and conv
     windows must agree. Sequences with slot 0 (padding) are skipped by both."""
-    from vllm_hybridspec.gdn_layer import _commit_states_gpu
+    from vllm_hybridspec.gdn_layer import _commit_convs_gpu, _commit_states_gpu
     from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
 
     HV, V, K = S.shape[1:]
@@ -143,7 +143,7 @@ def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commi
     o_gpu = layer._verify_gpu(md, x, b, a)
     assert torch.equal(gpu_pool, S)
     _commit_states_gpu([layer], torch.tensor(num_committed))
-    layer.commit_conv(num_committed)
+    _commit_convs_gpu([layer], torch.tensor(num_committed))  # the GPU branch's conv commit (no host loop)
 
     real = [i for i, slot in enumerate(slots) if slot > 0]
     for i in real:
@@ -229,3 +229,63 @@ def test_gpu_path_across_steps_with_different_layouts():
                                 batch=3)
     check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5], rows=[0, 2, 3], slots=[7, 2, 5],
                                 commit=[2, 1, 5], batch=4)
+
+
+@pytest.mark.parametrize("dim_first", [True, False])
+def test_gpu_conv_commit_equals_the_host_loop_bit_for_bit(monkeypatch, dim_first):
+    """``_commit_convs_gpu`` (commit_rounds' GPU branch: device-built gather indices, one gather for
+    a group of layers, one ``index_copy_`` per layer, no host read) against ``commit_conv`` (the host
+    loop, CPU branch): the same windows, bit for bit, in both of vLLM's conv-state layouts. Grouped
+    layers sharing one layout, another group with its own layout, ``m`` from 0 to the round's length
+    (up to 16, longer and shorter than the window), slot-0 padding (twice), slots not starting at 0,
+    slots in no particular order, and a model dtype differing from the conv state's."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    from vllm_hybridspec.gdn_layer import VerifiedRound, _commit_convs_gpu, _step_layout
+
+    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: dim_first)
+    monkeypatch.setattr(gdn_attention, "is_conv_state_dim_first", lambda: dim_first)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, num_slots = 1, 2, 4, 4, 40
+    for width in (4, 2):  # W = 3, and W = 1
+        batch = 9
+        # group A: 3 layers; lengths 1..16; m = 0 (discarded), 1, all, and between; slot 0 twice
+        # (the spec sequences are in batch order, as SpecLayout reads them)
+        a_lengths = [16, 1, 5, 9, 2, 16, 3, 7]
+        a_rows = [0, 1, 2, 3, 5, 6, 7, 8]
+        a_slots = [31, 5, 0, 12, 38, 0, 20, 9]
+        a_commit = [16, 1, 0, 4, 2, 11, 3, 1]
+        # group B: 2 layers, its own slots and rows (a row's m is one value for all groups)
+        b_lengths = [16, 12, 4]
+        b_rows = [0, 4, 7]
+        b_slots = [17, 3, 26]
+        b_commit = [16, 7, 3]
+        num_committed = torch.zeros(batch, dtype=torch.long)
+        for rows, commit in ((a_rows, a_commit), (b_rows, b_commit)):
+            for row, m in zip(rows, commit):
+                num_committed[row] = m
+        layers = []
+        for lengths, rows, slots, count in ((a_lengths, a_rows, a_slots, 3), (b_lengths, b_rows, b_slots, 2)):
+            md = spec_metadata(lengths, rows, slots, batch)
+            layout = _step_layout(md)  # shared by the group's layers, as on a GPU
+            for _ in range(count):
+                layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+                layer.kv_cache = (conv.to(torch.bfloat16), None)
+                x = torch.randn(sum(lengths), conv.shape[1] if dim_first else conv.shape[2], generator=gen)
+                layer.verified_round = VerifiedRound(layout, x, [])
+                layers.append(layer)
+        before = [layer.kv_cache[0].clone() for layer in layers]
+        expected = []
+        for layer, conv in zip(layers, before):
+            layer.kv_cache = (conv.clone(), None)
+            layer.commit_conv(num_committed.tolist())
+            expected.append(layer.kv_cache[0])
+            layer.kv_cache = (conv.clone(), None)
+        _commit_convs_gpu(layers, num_committed)
+        for i, (layer, want, old) in enumerate(zip(layers, expected, before)):
+            assert torch.equal(layer.kv_cache[0], want), (width, i)
+            moved = {slot for slot, m in zip(a_slots if i < 3 else b_slots, a_commit if i < 3 else b_commit)
+                     if slot > 0 and m > 0}
+            for slot in range(num_slots):  # the committed windows moved, no other slot changed
+                assert torch.equal(layer.kv_cache[0][slot], old[slot]) == (slot not in moved), (width, i, slot)
