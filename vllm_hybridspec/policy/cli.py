@@ -67,28 +67,19 @@ def capture(
     """Run target + drafter through vLLM verifying every draft token and write the round records
     (confidences, entropies, accepted counts) that `calibrate fit --records` reads."""
     import os
-    import types
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_hybridspec.compare import load_prompts
-
-    spec = _json_object(speculative_config, "speculative-config")
+    spec = _speculative_config(speculative_config)
     extra = _json_object(engine_args, "engine-args")
-    if "num_speculative_tokens" not in spec:
-        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {speculative_config!r}"))
     options = dict(spec.get("hybridspec") or {})
     for key in ("policy", "select", "fixed_length", "batched"):
         if options.get(key):
             raise fail(ValueError(f'--speculative-config: "hybridspec.{key}" = {options[key]!r}; a capture run '
                                   "verifies every draft token"))
-    if prompts is not None and not prompts.is_file():
-        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
+    token_prompts = _calibration_prompts(model, prompts, num_prompts, prompt_len, vocab)
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "hybridspec": {**options, "capture": str(out)}}
-    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
-                               num_prompts=num_prompts, prompt_len=prompt_len, vocab=vocab)
-    token_prompts = load_prompts(ns)
     from vllm import LLM, SamplingParams
 
     try:
@@ -118,6 +109,27 @@ def capture(
         typer.echo("warning: the records do not match vLLM's spec-decode counters (a round was missed or counted "
                    "twice); do not fit a policy from them", err=True)
         raise typer.Exit(1)
+
+
+def _speculative_config(text: str) -> dict:
+    spec = _json_object(text, "speculative-config")
+    if "num_speculative_tokens" not in spec:
+        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {text!r}"))
+    return spec
+
+
+def _calibration_prompts(model: str, prompts: Path | None, num_prompts: int, prompt_len: int,
+                         vocab: int) -> list[dict]:
+    """Token-id prompts: the ``prompt`` texts of a JSONL file (the model's tokenizer) or random ids."""
+    import types
+
+    from vllm_hybridspec.compare import load_prompts
+
+    if prompts is not None and not prompts.is_file():
+        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
+    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
+                               num_prompts=num_prompts, prompt_len=prompt_len, vocab=vocab)
+    return load_prompts(ns)
 
 
 def _json_object(text: str, name: str) -> dict:
@@ -150,11 +162,7 @@ def costs(
 ) -> None:
     """Per-round decode time at fixed verification lengths, measured through vLLM (the cost file of
     `calibrate fit`)."""
-    import types
-
     from tqdm import tqdm
-
-    from vllm_hybridspec.compare import load_prompts
 
     def numbers(text: str, name: str) -> list[int]:
         try:
@@ -165,18 +173,12 @@ def costs(
             raise fail(ValueError(f"--{name} must be positive integers, got {text!r}"))
         return sorted(set(values))
 
-    spec = None if speculative_config is None else _json_object(speculative_config, "speculative-config")
+    spec = None if speculative_config is None else _speculative_config(speculative_config)
     extra = _json_object(engine_args, "engine-args")
     if spec is None and not plain:
         raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
-    if spec is not None and "num_speculative_tokens" not in spec:
-        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {speculative_config!r}"))
-    if prompts is not None and not prompts.is_file():
-        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
     batches = numbers(batch_sizes, "batch-sizes")
-    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
-                               num_prompts=max(batches), prompt_len=prompt_len, vocab=vocab)
-    token_prompts = load_prompts(ns)
+    token_prompts = _calibration_prompts(model, prompts, max(batches), prompt_len, vocab)
     if len(token_prompts) < max(batches):
         raise fail(ValueError(f"--prompts {str(prompts)!r} has {len(token_prompts)} prompts; "
                               f"--batch-sizes needs {max(batches)}"))
