@@ -43,9 +43,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
+    t_start = time.perf_counter()
     llm = LLM(model=args.target, skip_tokenizer_init=True, seed=0, load_format=args.load_format,
               speculative_config=spec, async_scheduling=False, max_num_seqs=max(args.batch, 1),
               **json.loads(args.engine_args))
+    start_s = round(time.perf_counter() - t_start, 1)
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=(args.warmup + args.steps + 4) * 16, ignore_eos=True)
@@ -76,14 +78,18 @@ def main() -> None:
               if e.key.startswith(("gpu_model_runner:", "execute_", "propose", "sample", "_"))
               and e.cpu_time_total > 0}
     launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    # GPU busy time: the kernels' own time summed (device ops only), against the wall time of a step
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in averages if e.device_type.name in ("CUDA",))
     summary = {"speculative_config": spec, "batch": args.batch, "step_ms": step_ms,
+               "gpu_busy_ms_per_step": busy_us / 1e3 / args.steps, "engine_start_s": start_s,
                "mean_step_ms": sum(step_ms) / len(step_ms), "kernel_launches_per_step": launches / args.steps,
                "aten_ops_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) / args.steps,
                "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.trace:
         prof.export_chrome_trace(str(args.out / "trace.json"))
-    print(json.dumps({k: summary[k] for k in ("mean_step_ms", "kernel_launches_per_step", "aten_ops_per_step")}))
+    print(json.dumps({k: summary[k] for k in ("mean_step_ms", "gpu_busy_ms_per_step", "kernel_launches_per_step",
+                                           "aten_ops_per_step", "engine_start_s")}))
 
 
 if __name__ == "__main__":
