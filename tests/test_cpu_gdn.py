@@ -53,6 +53,45 @@ def test_prefill_then_decode_equals_one_recurrence():
         assert rel_err(_state(pool, slot), states[-1]) < 1e-5
 
 
+def test_torch_chunk_op_on_vllms_gpu_state_layout_equals_the_recurrence():
+    """``TorchChunkGatedDeltaRule`` (float32 GPU prefill): states [N, HV, V, K] as vLLM's GPU pool keeps
+    them (no transpose), three sequences of 1, 16 and 41 tokens (chunk edges), vLLM's call with
+    in-kernel L2 norm off after normalising q/k itself, and the caller's output buffer filled."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 16, 41]
+    r = random_round(gen, lens, HK, HV, K, V)
+    g, beta = r.gates()
+    init = random_states(gen, len(lens), HV, V, K)  # [N, HV, V, K] fp32, fresh random
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    qn = torch.nn.functional.normalize(r.q, dim=-1)
+    kn = torch.nn.functional.normalize(r.k, dim=-1)
+    buf = torch.full((1, int(cu[-1]), HV, V), float("nan"))
+    op = cpu_gdn.TorchChunkGatedDeltaRule()
+    o, final = op(q=qn[None], k=kn[None], v=r.v[None], g=g[None].float(), beta=beta[None].float(),
+                  initial_state=init.clone(), output_final_state=True, cu_seqlens=cu, chunk_indices=None,
+                  chunk_offsets=None, use_qk_l2norm_in_kernel=False, core_attn_out=buf)
+    assert final.shape == init.shape and final.dtype == torch.float32
+    for n in range(len(lens)):
+        s, e = int(cu[n]), int(cu[n + 1])
+        o_ref, states = recurrent_gated_delta_rule(qn[s:e].double(), kn[s:e].double(), r.v[s:e].double(),
+                                                   g[s:e], beta[s:e], init[n].double(), use_qk_l2norm=False)
+        assert rel_err(o[0, s:e], o_ref) < 1e-5
+        assert rel_err(final[n], states[-1]) < 1e-5
+    assert torch.equal(buf, o)
+    _, none = op(qn[None], kn[None], r.v[None], g[None].float(), beta[None].float(), init.clone(), False,
+                 cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
+    assert none is None
+
+
+def test_float32_targets_on_cuda_prefill_through_the_torch_op():
+    from vllm_hybridspec.gdn_layer import needs_torch_prefill
+
+    assert needs_torch_prefill(torch.float32, on_cuda=True)
+    assert not needs_torch_prefill(torch.bfloat16, on_cuda=True)
+    assert not needs_torch_prefill(torch.float16, on_cuda=True)
+    assert not needs_torch_prefill(torch.float32, on_cuda=False)  # the CPU ops are patched instead
+
+
 def test_spec_op_reads_accepted_slot_and_writes_one_state_per_token():
     gen = torch.Generator().manual_seed(1)
     lengths, accepted = [4, 2], [3, 1]

@@ -352,6 +352,16 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
         qwen_gdn_linear_attn.qwen_gdn_attention_core)
     assert list(inspect.signature(QwenGatedDeltaNetAttention._forward_core).parameters) == [
         "self", "mixed_qkv", "b", "a", "core_attn_out"]
+    # float32 targets on a GPU: the layer's prefill op is the attribute chunk_gated_delta_rule, called
+    # with these keywords (HSpecQwenGDN swaps in cpu_gdn.TorchChunkGatedDeltaRule)
+    core_src = inspect.getsource(QwenGatedDeltaNetAttention._forward_core)
+    assert "= self.chunk_gated_delta_rule(" in core_src
+    assert "self.chunk_gated_delta_rule = ChunkGatedDeltaRule()" in inspect.getsource(
+        QwenGatedDeltaNetAttention.__init__)
+    assert list(inspect.signature(qwen_gdn_linear_attn.ChunkGatedDeltaRule.forward_native).parameters) == [
+        "self", "q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens",
+        "chunk_indices", "chunk_offsets", "use_qk_l2norm_in_kernel", "core_attn_out"]
+    assert "initial_state = ssm_state[prefill_state_indices]" in core_src  # [N, HV, V, K], no transpose
     assert dataclasses.is_dataclass(GDNAttentionMetadata)
     assert {"num_accepted_tokens", "non_spec_query_start_loc", "non_spec_state_indices_tensor",
             "prefill_query_start_loc", "prefill_state_indices"} <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}

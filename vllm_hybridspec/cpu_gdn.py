@@ -43,24 +43,52 @@ def _chunked(q, k, v, g, beta, S, use_l2norm):
     return torch.cat(outs), S
 
 
+def _chunk_prefill(query, key, value, g, beta, initial_state, cu_seqlens, use_l2norm, state_vk):
+    """Per sequence of ``cu_seqlens``, 16 tokens at a time from its initial state. ``state_vk``: the
+    states are ``[N, HV, V, K]`` (vLLM's GPU pool layout, the references' ``S``), else ``[N, HV, K, V]``
+    (the CPU ops' view, ``S^T``)."""
+    out = torch.empty_like(value)
+    finals = []
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, value.shape[1]]
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        S = initial_state[n].float()
+        S = S if state_vk else S.transpose(-1, -2)
+        if e > s:
+            o, S = _chunked(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e], beta[0, s:e], S, use_l2norm)
+            out[0, s:e] = o.to(out.dtype)
+        finals.append(S if state_vk else S.transpose(-1, -2))
+    return out, torch.stack(finals)
+
+
 def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output_final_state,
                                cu_seqlens, head_first, use_qk_l2norm_in_kernel, eps=1e-5):
     """Prefill: query/key [1, T, HK, K], value [1, T, HV, V], g/beta [1, T, HV],
     initial_state [N, HV, K, V] -> (o [1, T, HV, V], final state [N, HV, K, V] fp32)."""
     if head_first:
         raise ValueError("head_first=True is not supported by the torch GDN path")
-    out = torch.empty_like(value)
-    finals = []
-    cu = cu_seqlens.tolist()
-    for n in range(len(cu) - 1):
-        s, e = cu[n], cu[n + 1]
-        S = initial_state[n].float().transpose(-1, -2)
-        if e > s:
-            o, S = _chunked(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e], beta[0, s:e], S,
-                            use_qk_l2norm_in_kernel)
-            out[0, s:e] = o.to(out.dtype)
-        finals.append(S.transpose(-1, -2))
-    return out, torch.stack(finals)
+    return _chunk_prefill(query, key, value, g, beta, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                          state_vk=False)
+
+
+class TorchChunkGatedDeltaRule(torch.nn.Module):
+    """A drop-in for vLLM 0.26's ``ChunkGatedDeltaRule`` op (the GDN layer's prefill) on any device:
+    the exact torch path above, on vLLM's GPU state layout ``[N, HV, V, K]``.
+
+    Why: vLLM's FLA chunk kernel asserts on float32 inputs ("ChunkGatedDeltaRuleFunction does not
+    support float32"), so a float32 hybrid target cannot prefill on a GPU; the float32 runs that
+    check exact identity (no bf16 ties) need it. Slow (a loop over sequences and 16-token chunks),
+    meant for those runs; bf16/fp16 targets keep vLLM's kernels."""
+
+    gdn_prefill_backend = "torch"
+
+    def forward(self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None,
+                chunk_indices=None, chunk_offsets=None, use_qk_l2norm_in_kernel=True, core_attn_out=None):
+        o, final = _chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                  state_vk=True)
+        if core_attn_out is not None:  # vLLM's forward_cuda contract: also write the caller's buffer
+            core_attn_out.reshape(-1)[: o.numel()].copy_(o.reshape(-1))
+        return o, (final if output_final_state else None)
 
 
 def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, initial_state_source,

@@ -96,6 +96,13 @@ def _on_cuda() -> bool:
     return current_platform.is_cuda()
 
 
+def needs_torch_prefill(model_dtype: torch.dtype, on_cuda: bool) -> bool:
+    """Whether a GDN layer prefills through ``cpu_gdn.TorchChunkGatedDeltaRule``: float32 targets
+    on a CUDA device, where vLLM 0.26's FLA chunk kernel asserts on float32 inputs (on the CPU the
+    plugin's patched CPU ops already run float32)."""
+    return on_cuda and model_dtype == torch.float32
+
+
 def _unmet_requirement(vllm_config) -> str | None:
     from vllm.platforms import current_platform
 
@@ -226,6 +233,12 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                          reduce_results=reduce_results)
         self.one_slot = gdn_kernel_enabled(vllm_config)
         self.verified_round: VerifiedRound | None = None
+        if needs_torch_prefill(vllm_config.model_config.dtype, _on_cuda()):
+            # vLLM's FLA chunk kernel refuses float32: prefill through the exact torch path instead
+            from vllm_hybridspec.cpu_gdn import TorchChunkGatedDeltaRule
+
+            self.chunk_gated_delta_rule = TorchChunkGatedDeltaRule()
+            self.gdn_prefill_backend = TorchChunkGatedDeltaRule.gdn_prefill_backend
         if self.one_slot:
             # get_state_shape reads it: the conv window of plain decoding
             self.num_spec = 0
