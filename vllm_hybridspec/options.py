@@ -38,6 +38,8 @@ class HybridSpecOptions(BaseModel):
                                 "(capture.py); verifies every draft token")
     fixed_length: int | None = Field(default=None, ge=1, description="verify exactly this many tokens "
                                      "(anchor + drafts) per request; for `calibrate costs`")
+    drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
+                                     "graphs (GPU, unless enforce_eager); false runs it eagerly")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
 
     @model_validator(mode="after")

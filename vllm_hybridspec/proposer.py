@@ -22,6 +22,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_hybridspec.draft_graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.drafter.model import DraftBlock
 from vllm_hybridspec.options import hybridspec_options
 from vllm_hybridspec.selection import LengthSelector, draft_signals, remaining_budget
@@ -114,6 +115,7 @@ class HSpecProposer(RunnerDFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.last_draft: DraftBlock | None = None  # [num_reqs, K] tokens, top1_prob, entropy
+        self.draft_graphs: DraftGraphs | None = None  # set by load_model on a GPU
 
     # --- loading ---------------------------------------------------------------------------------------
 
@@ -126,6 +128,9 @@ class HSpecProposer(RunnerDFlashProposer):
             )
         super().load_model(target_model)
         self.model.upcast_ssm_parameters()  # after loading: the per-round float32 reads become no-ops
+        self.draft_graphs = None
+        if drafter_graphs_enabled(self.vllm_config, self.device):
+            self.draft_graphs = DraftGraphs(self.model, batch_buckets(self.vllm_config.scheduler_config.max_num_seqs))
 
     def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
         self.model.embed_tokens = target_language_model.model.embed_tokens
@@ -172,8 +177,13 @@ class HSpecProposer(RunnerDFlashProposer):
             prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
         # index_select takes int32 or int64 indices as they are (no conversion kernel)
         last_hidden = target_hidden_states.index_select(0, last)  # [N, n_selected * hidden]
-        prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
-        block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
+        block = None
+        if self.draft_graphs is not None:  # a replayed padded round (draft_graphs.py), None if it has none
+            block = self.draft_graphs.run(last_hidden, next_token_ids[:N], cad.block_table_tensor[:N], prefix_lens,
+                                          cad.max_seq_len, num_speculative_tokens)
+        if block is None:
+            prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
+            block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         self.last_draft = block
         w_rem = None  # [N], computed once for the capture and the selector
         if self.round_capture is not None or (selector is not None and selector.trims):
@@ -193,7 +203,8 @@ class HSpecProposer(RunnerDFlashProposer):
         slot_mappings: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """A drafting round of ``num_tokens // (K + 1)`` one-token requests, for memory profiling and
-        warm-up. The drafter runs eagerly, so there is nothing to capture."""
+        warm-up. Nothing is captured here: the drafter's graphs (``draft_graphs.py``) are captured at
+        the first round of each batch size and prefix capacity, which only serving knows."""
         if is_graph_capturing:
             return
         K = self.num_speculative_tokens

@@ -201,6 +201,19 @@ class HSpecForVLLM(nn.Module):
 
     # --- drafting --------------------------------------------------------------------------------------
 
+    def prefix_block_size(self) -> int | None:
+        """The smallest KV block size among the target caches the drafter reads (how far a block
+        table reaches), or ``None`` before vLLM has bound them (profiling)."""
+        sizes = []
+        for reader in self.kv_readers:
+            kv_cache = reader.kv_cache
+            if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+                return None
+            k_cache, _ = paged_kv_views(
+                kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None))
+            sizes.append(k_cache.shape[2])
+        return min(sizes) if sizes else None
+
     def gather_prefix_kv(
         self, block_table: torch.Tensor, capacity: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
