@@ -2,9 +2,9 @@
 the patch installs them where vLLM's CPU GDN layer looks them up."""
 
 import torch
+from vllm_hybridspec.kernels.gdn import recurrent_gated_delta_rule
 
 from vllm_hybridspec import cpu_gdn
-from vllm_hybridspec.kernels.gdn import recurrent_gated_delta_rule
 from vllm_hybridspec.vllm_internals import CPU_GDN_OPS, patch_cpu_gdn_ops
 
 from .kernels.gdn_inputs import random_round, random_states, rel_err

@@ -4,9 +4,10 @@ without ``torch.cuda.CUDAGraph`` (``capture=False``); the inputs, padding and ou
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from types import SimpleNamespace
 
 from vllm_hybridspec.draft_graphs import (
     DraftGraphs,
