@@ -289,3 +289,45 @@ def test_gpu_conv_commit_equals_the_host_loop_bit_for_bit(monkeypatch, dim_first
                      if slot > 0 and m > 0}
             for slot in range(num_slots):  # the committed windows moved, no other slot changed
                 assert torch.equal(layer.kv_cache[0][slot], old[slot]) == (slot not in moved), (width, i, slot)
+
+
+@pytest.mark.parametrize("dim_first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_spec_conv_equals_the_per_sequence_loop(monkeypatch, dim_first, dtype):
+    """``_spec_conv_gpu`` (device-built gather indices, float32 taps, no host loop) against
+    ``_spec_conv`` (vLLM's ``causal_conv1d_update_torch`` per sequence) and a float64 reference:
+    lengths 1..16 (shorter and longer than the window), slot-0 padding, slots out of order,
+    K_conv 4 and 2, both conv-state layouts; the pool is not written."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    from vllm_hybridspec.gdn_layer import _step_layout
+    from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
+
+    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: dim_first)
+    monkeypatch.setattr(gdn_attention, "is_conv_state_dim_first", lambda: dim_first)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    lengths, slots = [16, 1, 5, 2, 9, 3], [31, 5, 0, 12, 38, 7]
+    for width in (4, 2):
+        layer, conv = bare_layer(gen, 1, 2, 16, 16, width, 40)
+        layer.conv1d.weight, layer.conv1d.bias = layer.conv1d.weight.to(dtype), layer.conv1d.bias.to(dtype)
+        layer.kv_cache = (conv.to(dtype), None)
+        pool = layer.kv_cache[0].clone()
+        layout = _step_layout(spec_metadata(lengths, list(range(len(lengths))), slots, len(lengths)))
+        x = torch.randn(sum(lengths), layer.conv1d.weight.shape[0], generator=gen).to(dtype)
+        got = layer._spec_conv_gpu(layout, x)
+        loop = layer._spec_conv(layout, x)
+        assert torch.equal(layer.kv_cache[0], pool)
+        # float64 reference: silu(bias + sum_j w_j * [window ; x]_{r + j})
+        windows = vllm_cpu_gdn_paths().conv_view(layer).double()  # [slots, conv_dim, W]
+        w = layer.conv1d.weight[:, 0].double()
+        ref = torch.empty(x.shape, dtype=torch.float64)
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        for i, slot in enumerate(slots):
+            seq = torch.cat([windows[slot].T, x[cu[i]:cu[i + 1]].double()])  # [W + len, conv_dim]
+            for r in range(lengths[i]):
+                ref[cu[i] + r] = torch.nn.functional.silu(layer.conv1d.bias.double() + (w.T * seq[r:r + width]).sum(0))
+        assert got.dtype == dtype and got.shape == x.shape
+        tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+        assert rel_err(got, ref) < tol, (width, rel_err(got, ref))
+        assert rel_err(got, loop) < (1e-6 if dtype == torch.float32 else 1.6e-2)

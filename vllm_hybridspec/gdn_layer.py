@@ -35,7 +35,7 @@ it is an error naming the value.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
@@ -168,6 +168,7 @@ class SpecLayout:
     rows_dev: torch.Tensor
     slots_dev: torch.Tensor
     cu_dev: torch.Tensor
+    conv_index: dict = field(default_factory=dict)  # conv window width -> spec_conv_index (GPU path)
 
     @classmethod
     def read(cls, md) -> SpecLayout:
@@ -380,6 +381,29 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                                             self.activation)[0].T
         return conv_out
 
+    def _spec_conv_gpu(self, layout: SpecLayout, x):
+        """:meth:`_spec_conv` for all spec sequences at once, with no host loop: each token's
+        ``K_conv`` inputs are gathered from ``[old windows ; x]`` (:func:`spec_conv_index`, built
+        once per layout and width and shared by the layers) and combined in float32 (bias, then the
+        taps in order, then SiLU), as vLLM's ``causal_conv1d_update`` kernel does. Nothing is written
+        to the pool."""
+        cpu = vllm_cpu_gdn_paths()
+        conv = cpu.conv_view(self)  # [slots, conv_dim, W]
+        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
+        W, ns, T = conv.shape[-1], len(layout.slots), x.shape[0]
+        idx = layout.conv_index.get(W)
+        if idx is None:
+            idx = layout.conv_index[W] = spec_conv_index(layout.cu_dev, ns, T, W)  # [K_conv, T]
+        windows = conv.index_select(0, layout.slots_dev.long()).transpose(1, 2).reshape(ns * W, -1)
+        src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [Ns * W + T, conv_dim]
+        bias = self.conv1d.bias
+        acc = bias.float().expand(T, -1) if bias is not None else torch.zeros(T, x.shape[1], device=x.device)
+        for j in range(W + 1):
+            acc = acc + src.index_select(0, idx[j]).float() * weight[:, j].float()
+        if self.activation in ("silu", "swish"):
+            acc = torch.nn.functional.silu(acc)
+        return acc.to(x.dtype)
+
     def _verify_cpu(self, md, x, b, a) -> torch.Tensor:
         """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
         x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
@@ -408,7 +432,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         from vllm_hybridspec.kernels.gdn import gdn_verify
 
         layout = _step_layout(md)
-        conv_out = self._spec_conv(layout, x)
+        conv_out = self._spec_conv_gpu(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         o, factors = gdn_verify(q, k, v, g=a, beta=b, A_log=self.A_log, dt_bias=self.dt_bias,
                                 state=self.kv_cache[1], state_indices=layout.slots_dev,
@@ -437,6 +461,20 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             if slot > 0 and m > 0:
                 S0 = ssm[slot].float().transpose(-1, -2)
                 ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
+
+
+def spec_conv_index(cu_dev: torch.Tensor, ns: int, T: int, W: int) -> torch.Tensor:
+    """``[W + 1, T]`` rows of ``[old windows (Ns * W rows, sequence-major) ; x (T rows)]`` that
+    token ``t`` of the spec batch convolves with tap ``j``: its sequence ``i``'s input at offset
+    ``r - W + j`` (``r`` = the token's offset in its sequence), which is window column ``r + j`` when
+    ``r + j < W``, else input ``t + j - W``. Built on the device from the offsets: no host read."""
+    device = cu_dev.device
+    t = torch.arange(T, device=device)
+    cu = cu_dev.long()
+    seq = torch.searchsorted(cu[1:], t, right=True)  # [T] the token's sequence
+    r = t - cu[seq]
+    j = torch.arange(W + 1, device=device)[:, None]
+    return torch.where(r + j < W, seq * W + r + j, ns * W + t + j - W)
 
 
 def commit_rounds(runner, sampled_token_ids: torch.Tensor, scheduler_output=None) -> None:

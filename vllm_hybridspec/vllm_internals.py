@@ -6,6 +6,7 @@ vLLM has no stable internal API.  Each function here names the vLLM symbol it to
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import types
@@ -284,6 +285,7 @@ CPU_GDN_ATTENTION_HELPERS = {
 }
 
 
+@functools.cache  # called per GDN layer and step: look the helpers up once
 def vllm_cpu_gdn_paths() -> types.SimpleNamespace:
     """vLLM 0.26's CPU GDN helpers from ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention``:
 
