@@ -239,6 +239,19 @@ def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_le
     assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
 
 
+def test_tp_all_gather_is_vllms_tensor_parallel_all_gather():
+    import inspect
+
+    from vllm import distributed
+
+    from vllm_hybridspec.vllm_internals import tp_all_gather
+
+    fn = distributed.tensor_model_parallel_all_gather
+    assert list(inspect.signature(fn).parameters) == ["input_", "dim"]
+    assert "get_tp_group().all_gather(input_, dim)" in inspect.getsource(fn)
+    assert "tensor_model_parallel_all_gather(tensor, dim=dim)" in inspect.getsource(tp_all_gather)
+
+
 def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
     from vllm_hybridspec.vllm_internals import broadcast_from_tp_rank0
 

@@ -437,6 +437,15 @@ def trim_scheduler_output(event, cpu_counts, scheduler_output, req_id_to_index) 
     update_scheduler_for_invalid_drafts(event, cpu_counts, scheduler_output, req_id_to_index)
 
 
+def tp_all_gather(tensor, dim: int):
+    """``vllm.distributed.tensor_model_parallel_all_gather``: the concatenation along ``dim`` of every
+    TP rank's ``tensor``, in rank order. The H-Spec drafter is replicated on every rank and reads all of
+    the target's KV heads, of which each rank caches its shard."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(tensor, dim=dim)
+
+
 def broadcast_from_tp_rank0(tensor):
     """``vllm.distributed.parallel_state.get_tp_group().broadcast``: every TP rank takes rank 0's
     selected lengths. They become host-side shapes on each rank (scheduled tokens, attention

@@ -107,3 +107,23 @@ def test_rounds_past_the_buckets_or_the_block_tables_reach_run_eagerly():
         assert graphs.run(*_inputs(m, 2, gen, torch.float32), 81, K) is None
         assert graphs.run(*_inputs(m, 2, gen, torch.float32), 80, K) is not None
     assert list(graphs.rounds) == [(2, 80, K, 5)]
+
+
+@pytest.mark.parametrize(("total", "tp"), [(4, 2), (2, 4), (1, 2), (8, 8), (3, 1)])
+def test_all_kv_heads_restores_the_targets_heads_from_the_ranks_shards(monkeypatch, total, tp):
+    """vLLM's KV-head sharding: ``total >= tp``: rank r caches heads [r*total/tp, (r+1)*total/tp); fewer
+    heads than ranks: rank r caches head r * total // tp (replicated). The all-gather (faked here as
+    the concatenation of every rank's shard, in rank order) must give the heads in order, once each."""
+    from vllm_hybridspec.models import hspec
+
+    gen = torch.Generator().manual_seed(total * 10 + tp)
+    full = torch.randn(3, total, 5, 8, generator=gen)  # [N, heads, T, D], fresh per case
+    per_rank = max(total // tp, 1)
+    shards = [full[:, r * per_rank:(r + 1) * per_rank] if total >= tp else full[:, r * total // tp:][:, :1]
+              for r in range(tp)]
+    gathers = []
+    monkeypatch.setattr(hspec, "tp_all_gather", lambda t, dim: gathers.append(t) or torch.cat(shards, dim=dim))
+    for r in range(tp):
+        got = hspec.all_kv_heads(shards[r], tp, total)
+        assert torch.equal(got, full), r
+    assert len(gathers) == (0 if per_rank == total else tp)  # a rank holding every head gathers nothing

