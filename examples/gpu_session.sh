@@ -87,11 +87,11 @@ profile)
   [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
   SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
   EA="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\", $SIZES}}"
-  # 1) the one-slot path at w = 1 (piecewise graphs), 2) vLLM's GDN spec path with vLLM's default graphs
-  #    (full graphs for uniform 1+K batches) at w = 8, 3) plain decoding with piecewise graphs only
+  # 1) the one-slot path at w = 1, 4 and 8 on one engine (piecewise graphs), 2) vLLM's GDN spec path with
+  #    vLLM's default graphs (full graphs for uniform 1+K batches) at w = 8, 3) plain decoding, piecewise
   run prof-hspec python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 1}}" \
-    --engine-args "$EA" --out "$R/hspec-w1"
+    --lengths 1,4,8 --engine-args "$EA" --out "$R/hspec-one-slot"
   EF="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {$SIZES}}"
   run prof-hspec-full python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
