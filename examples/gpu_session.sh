@@ -73,7 +73,7 @@ big1|big2)
   HS="\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7"
   if [ "$STAGE" = big1 ]; then
     run big1 python3 examples/vllm_compare.py "${BIG[@]}" --config plain=none \
-      --config hspec_gdn="{$HS, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}, $PIECEWISE}" \
+      --config hspec_gdn="{$HS, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}}" \
       --out "$R/compare-35b-1.json"
   else
     run big2 python3 examples/vllm_compare.py "${BIG[@]}" \
@@ -87,12 +87,13 @@ profile)
   [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
   SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
   EA="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\", $SIZES}}"
-  # 1) the one-slot path at w = 1, 4 and 8 on one engine (piecewise graphs), 2) vLLM's GDN spec path with
-  #    vLLM's default graphs (full graphs for uniform 1+K batches) at w = 8, 3) plain decoding, piecewise
+  # 1) the one-slot path at w = 1, 4 and 8 on one engine (vLLM's default FULL_AND_PIECEWISE: full graphs
+  #    for plain decode steps, piecewise for spec steps), 2) vLLM's GDN spec path with vLLM's default
+  #    graphs (full graphs for uniform 1+K batches) at w = 8, 3) plain decoding, piecewise
+  EF="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {$SIZES}}"
   run prof-hspec python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 1}}" \
-    --lengths 1,4,8 --engine-args "$EA" --out "$R/hspec-one-slot"
-  EF="{\"mamba_ssm_cache_dtype\": \"float32\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {$SIZES}}"
+    --lengths 1,4,8 --engine-args "$EF" --out "$R/hspec-one-slot"
   run prof-hspec-full python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
     --engine-args "$EF" --out "$R/hspec-vllm-full-w8"

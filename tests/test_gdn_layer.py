@@ -50,11 +50,13 @@ def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(
 
 @pytest.mark.parametrize("eager, graphs, allowed", [
     (True, None, True), (False, "PIECEWISE", True), (False, "NONE", True),
-    (False, "FULL_AND_PIECEWISE", False), (False, "FULL_DECODE_ONLY", False), (False, "FULL", False),
+    (False, "FULL_AND_PIECEWISE", True), (False, "FULL_DECODE_ONLY", True), (False, "FULL", False),
 ])
-def test_on_a_gpu_full_cuda_graphs_are_refused_and_piecewise_ones_allowed(monkeypatch, eager, graphs, allowed):
+def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eager, graphs, allowed):
     """The one-slot verify reads its batch layout on the host: it runs inside vLLM's GDN core op, a
-    splitting op of piecewise graphs, so only modes that capture full graphs are refused."""
+    splitting op of piecewise graphs. Full graphs may hold plain decode steps only (the runner's
+    uniform decode batches, one token per request: ``patch_plain_decode_full_graphs``), so only FULL,
+    which also captures mixed batches, is refused."""
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
@@ -62,10 +64,51 @@ def test_on_a_gpu_full_cuda_graphs_are_refused_and_piecewise_ones_allowed(monkey
     if allowed:
         assert gdn_kernel_enabled(config)
     else:
-        with pytest.raises(ValueError, match=rf"cudagraph_mode={graphs}.*PIECEWISE"):
+        with pytest.raises(ValueError, match=rf"cudagraph_mode={graphs}.*FULL_AND_PIECEWISE"):
             gdn_kernel_enabled(config)
         # without the explicit option: vLLM's own path (a warning), not an error
         assert not gdn_kernel_enabled(vllm_config(eager=eager, graphs=graphs))
+
+
+def test_full_graphs_hold_plain_decode_steps_only_when_the_model_has_one_slot_layers(monkeypatch):
+    """``patch_plain_decode_full_graphs`` (installed by the plugin) sets the runner's and its dispatcher's
+    uniform decode length to 1 before vLLM resolves the graph mode, for runners with one-slot layers
+    only; vLLM then classes a batch of K drafts per request as non-uniform (piecewise graphs)."""
+    import inspect
+
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_hybridspec.gdn_layer import HSpecQwenGDN, runner_has_one_slot_layers
+    from vllm_hybridspec.vllm_internals import patch_plain_decode_full_graphs
+
+    real = GPUModelRunner._check_and_update_cudagraph_mode
+    runner_source = inspect.getsource(getattr(real, "__wrapped__", real))
+    calls = []
+
+    def original(self, attention_backends, kv_cache_groups, is_profiling=False):  # records what vLLM would read
+        calls.append((self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
+
+    monkeypatch.setattr(GPUModelRunner, "_check_and_update_cudagraph_mode", original)  # restored afterwards
+    patch_plain_decode_full_graphs(runner_has_one_slot_layers)
+    for one_slot in (True, False):
+        layer = HSpecQwenGDN.__new__(HSpecQwenGDN)
+        layer.one_slot = one_slot
+        runner = SimpleNamespace(uniform_decode_query_len=8,
+                                 cudagraph_dispatcher=SimpleNamespace(uniform_decode_query_len=8),
+                                 compilation_config=SimpleNamespace(static_forward_context={"l": layer, "x": 3}))
+        GPUModelRunner._check_and_update_cudagraph_mode(runner, [], [], is_profiling=False)
+    assert calls == [(1, 1), (8, 8)]
+    # what vLLM does with the value: a batch of 8 tokens for each of 4 requests is uniform only at 8
+    assert GPUModelRunner._is_uniform_decode(8, 8, 32, 4) and not GPUModelRunner._is_uniform_decode(8, 1, 32, 4)
+    assert GPUModelRunner._is_uniform_decode(1, 1, 4, 4)
+    # the two places vLLM 0.26 sets it, and the dispatcher reading its own copy
+    assert "self.uniform_decode_query_len = 1 + self.num_spec_tokens" in inspect.getsource(GPUModelRunner.__init__)
+    assert "self.uniform_decode_query_len = 1 + self.vllm_config.num_speculative_tokens" in inspect.getsource(
+        CudagraphDispatcher.__init__)
+    assert "uniform_decode_query_len = self.uniform_decode_query_len" in inspect.getsource(
+        CudagraphDispatcher._create_padded_batch_descriptor)
+    assert "self.uniform_decode_query_len," in runner_source and "initialize_cudagraph_keys(" in runner_source
 
 
 @pytest.mark.parametrize("tp", [1, 2])

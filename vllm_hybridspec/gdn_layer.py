@@ -108,12 +108,14 @@ def _unmet_requirement(vllm_config) -> str | None:
 
     if current_platform.is_cuda():
         mode = vllm_config.compilation_config.cudagraph_mode
-        if not vllm_config.model_config.enforce_eager and mode is not None and mode.has_full_cudagraphs():
-            # piecewise graphs leave the GDN core op (vLLM's splitting op vllm::qwen_gdn_attention_core,
-            # which dispatches to _forward_core) outside the graphs, where the host reads are fine
-            return (f"cudagraph_mode={mode.name} captures full CUDA graphs, and the one-slot verify reads its "
-                    "batch layout on the host; pass --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' "
-                    "or --enforce-eager")
+        if not vllm_config.model_config.enforce_eager and mode is not None and mode.mixed_mode().name == "FULL":
+            # Full graphs are fine for plain decode steps only (vllm_internals.patch_plain_decode_full_graphs
+            # makes them the only uniform batches). Spec steps must run outside full graphs: piecewise
+            # (vLLM's splitting op vllm::qwen_gdn_attention_core, which dispatches to _forward_core,
+            # stays outside the graphs, where the verify's host reads are fine) or eagerly.
+            return (f"cudagraph_mode={mode.name} runs mixed batches in full CUDA graphs, and the one-slot verify "
+                    "reads its batch layout on the host; use FULL_AND_PIECEWISE (vLLM's default), "
+                    "FULL_DECODE_ONLY, PIECEWISE or --enforce-eager")
     elif not current_platform.is_cpu():
         return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
     k = vllm_config.speculative_config.num_speculative_tokens
@@ -129,6 +131,13 @@ def _unmet_requirement(vllm_config) -> str | None:
         return (f"the SSM state cache is {ssm_dtype} (mamba_ssm_cache_dtype={cache.mamba_ssm_cache_dtype!r}); "
                 "the parallel verification needs float32: pass --mamba-ssm-cache-dtype float32")
     return None
+
+
+def runner_has_one_slot_layers(runner) -> bool:
+    """For ``vllm_internals.patch_plain_decode_full_graphs``: whether the runner's model has one-slot
+    GDN layers (then full CUDA graphs may hold plain decode steps only)."""
+    context = runner.compilation_config.static_forward_context
+    return any(isinstance(layer, HSpecQwenGDN) and layer.one_slot for layer in context.values())
 
 
 def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:

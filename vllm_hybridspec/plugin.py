@@ -78,6 +78,7 @@ def _install_one_slot_gdn() -> None:
     from vllm_hybridspec import gdn_layer
     from vllm_hybridspec.vllm_internals import (
         patch_gdn_page_size,
+        patch_plain_decode_full_graphs,
         patch_runner_after_sampling,
         register_gdn_layer,
     )
@@ -85,6 +86,7 @@ def _install_one_slot_gdn() -> None:
     register_gdn_layer(gdn_layer.HSpecQwenGDN)
     patch_gdn_page_size(gdn_layer.one_slot_page_shape)
     patch_runner_after_sampling(gdn_layer.commit_rounds)
+    patch_plain_decode_full_graphs(gdn_layer.runner_has_one_slot_layers)
 
 
 def _install_capture() -> None:

@@ -366,6 +366,34 @@ def patch_runner_after_sampling(hook) -> None:
     _wrap_once(GPUModelRunner, "_update_states_after_model_execute", make)
 
 
+def patch_plain_decode_full_graphs(wanted) -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._check_and_update_cudagraph_mode`` so that,
+    for a runner where ``wanted(runner)`` holds, the runner and its ``CudagraphDispatcher`` treat only
+    batches of one token per request as uniform decode batches (``uniform_decode_query_len = 1``).
+
+    Why: with speculative decoding vLLM 0.26 sets ``uniform_decode_query_len = 1 + K`` in both
+    (``GPUModelRunner.__init__``, ``CudagraphDispatcher.__init__``). Under FULL_AND_PIECEWISE it then
+    captures full graphs for batches that verify K drafts per request, and runs everything else
+    piecewise, including the steps where the batch gate turns drafting off. The one-slot GDN layer's
+    verify cannot run inside a full graph, but its plain-decode steps can. With the length set to 1
+    the full graphs hold plain decode steps only: the GDN builder sees no draft tokens in them and
+    builds vLLM's own decode metadata (``build_for_cudagraph_capture``). Spec steps become non-uniform
+    and run piecewise. This is called before vLLM resolves the graph mode and sizes and builds the
+    dispatcher's keys, all from this value."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def _check_and_update_cudagraph_mode(self, *args, **kwargs):
+            if wanted(self):
+                self.uniform_decode_query_len = 1
+                self.cudagraph_dispatcher.uniform_decode_query_len = 1
+            return original(self, *args, **kwargs)
+
+        return _check_and_update_cudagraph_mode
+
+    _wrap_once(GPUModelRunner, "_check_and_update_cudagraph_mode", make)
+
+
 def scheduled_draft_counts(scheduler_output) -> dict[str, int]:
     """Draft tokens the scheduler scheduled per request this step
     (``SchedulerOutput.scheduled_spec_decode_tokens``: request id -> draft ids, or ``-1``
