@@ -76,8 +76,8 @@ def gdn_kernel_enabled(vllm_config) -> bool:
         return False
     problem = _unmet_requirement(vllm_config)
     if problem is None and not explicit and _on_cuda():
-        problem = ('its GPU path has not been run on a GPU yet (examples/gdn_layer_gpu_check.py checks it); '
-                   'opt in with "hybridspec": {"gdn_kernel": true}')
+        problem = ('its GPU path is opt-in until its exact-identity run in float32 on a GPU has passed '
+                   '(examples/gpu_session.sh ref32); opt in with "hybridspec": {"gdn_kernel": true}')
     if problem is None:
         return True
     if explicit:
