@@ -405,13 +405,24 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             idx = layout.conv_index[W] = spec_conv_index(layout.cu_dev, ns, T, W)  # [K_conv, T]
         windows = conv.index_select(0, layout.slots_dev.long()).transpose(1, 2).reshape(ns * W, -1)
         src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [Ns * W + T, conv_dim]
-        bias = self.conv1d.bias
-        acc = bias.float().expand(T, -1) if bias is not None else torch.zeros(T, x.shape[1], device=x.device)
-        for j in range(W + 1):
-            acc = acc + src.index_select(0, idx[j]).float() * weight[:, j].float()
+        taps = src.index_select(0, idx.reshape(-1)).view(W + 1, T, -1).float()  # [K_conv, T, conv_dim]
+        taps_w, bias = self._conv_taps_fp32(weight)
+        acc = (taps * taps_w[:, None, :]).sum(0)
+        if bias is not None:
+            acc = acc + bias
         if self.activation in ("silu", "swish"):
             acc = torch.nn.functional.silu(acc)
         return acc.to(x.dtype)
+
+    def _conv_taps_fp32(self, weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conv weight as float32 taps ``[K_conv, conv_dim]`` and the bias in float32, converted once
+        per weight tensor (a reload gives a new version counter and is converted again)."""
+        bias = self.conv1d.bias
+        key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
+        cached = getattr(self, "_conv_fp32", None)
+        if cached is None or cached[0] != key:
+            cached = self._conv_fp32 = (key, weight.float().T.contiguous(), None if bias is None else bias.float())
+        return cached[1], cached[2]
 
     def _verify_cpu(self, md, x, b, a) -> torch.Tensor:
         """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
