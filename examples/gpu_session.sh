@@ -9,6 +9,9 @@
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
 #   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
+#   bash examples/gpu_session.sh calib-35b  # 35B-shape cost file + policy (issue 6)
+#   bash examples/gpu_session.sh record-35b, then bench-35b-{plain,all,sel,dyn}
+#                                           # issue 7 (b): 35B shape, replayed acceptance, C = 1, 4
 #   bash examples/gpu_session.sh bench-dense / bench-hybrid
 #                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
 #                                           # reference model, C = 1,4,16,64, each config, + report
@@ -99,6 +102,46 @@ profile)
     --engine-args "$EF" --out "$R/hspec-vllm-full-w8"
   run prof-plain python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --engine-args "$EA" --out "$R/plain-piecewise"
+  ;;
+calib-35b)
+  # issue 6: the 35B-shape policy. Per-round costs of the dummy H-Spec drafter + one-slot GDN at fixed
+  # lengths (and plain decoding) at the 35B shape, fitted with the reference drafter's round records
+  # (acceptance behaviour of a real drafter; its signals are what the policy reads). Two engine starts.
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  run costs python3 -m vllm_hybridspec.cli calibrate costs --model /tmp/full-shape/target \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true}}" \
+    --lengths 1,2,3,4,6,8 --batch-sizes 1,4 --plain --vocab 248000 --prompt-len 128 --out "$R/costs_35b.json" \
+    --engine-args '{"load_format": "dummy", "max_model_len": 2048, "max_num_seqs": 8, "mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+  run fit python3 -m vllm_hybridspec.cli calibrate fit --records models/hybrid-hspec/records.jsonl.gz \
+    --costs "$R/costs_35b.json" --out "$R/policy_35b.json" --min-length 1
+  ;;
+record-35b)
+  # issue 7 (b): the greedy continuations the replay proposer drafts from (one engine start); token-id
+  # prompts, since the 35B-shape directory has no tokenizer (the servers run --skip-tokenizer-init)
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  python3 -c "import json, random; r = random.Random(0); print(''.join(json.dumps({'prompt': [r.randrange(248000) for _ in range(r.randrange(64, 129))]}) + '\n' for _ in range(32)), end='')" > /tmp/prompts_35b.jsonl
+  run record python3 -m vllm_hybridspec.cli replay-record --model /tmp/full-shape/target --load-format dummy \
+    --prompts /tmp/prompts_35b.jsonl --output-len 128 --num-speculative-tokens 7 --max-model-len 2048 -o /tmp/cont_35b.jsonl \
+    --engine-args '{"skip_tokenizer_init": true, "mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+  cp /tmp/prompts_35b.jsonl /tmp/cont_35b.jsonl "$R/" 2>/dev/null
+  ;;
+bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
+  # issue 7 (b): closed loop at C = 1, 4 against `vllm serve` of the 35B shape (dummy weights), replayed
+  # acceptance (replay_bench: the reference drafter's round records); after record-35b (and calib-35b
+  # for -sel: POLICY=<policy file>, default the calib-35b output on this machine)
+  CFG="${STAGE#bench-35b-}"
+  POLICY="${POLICY:-/tmp/hs-results/calib-35b/policy_35b.json}"
+  REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"/tmp/cont_35b.jsonl\", \"seed\": 0}"
+  SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs 8 --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}'"
+  case "$CFG" in
+    plain) SPEC="" ;;
+    all) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}" ;;
+    sel) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"$POLICY\"}}" ;;
+    dyn) SPEC="{$REPLAY, \"num_speculative_tokens_per_batch_size\": [[1, 2, 7], [3, 8, 3]]}" ;;
+  esac
+  cmd="$SERVE"; [ -n "$SPEC" ] && cmd="$cmd --speculative-config '$SPEC'"
+  run "bench-$CFG" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts /tmp/prompts_35b.jsonl \
+    --concurrency 1,4 --num-requests 16 --output-len 128 --label "35b-$CFG" --no-progress -o "$R/35b-$CFG.json"
   ;;
 bench-dense|bench-hybrid)
   KIND="${STAGE#bench-}"
