@@ -19,6 +19,13 @@ A round therefore drafts the same tokens as the eager round of the unpadded batc
 floating-point reduction order (matmuls of another row count may take other kernels). The drafts
 only decide what the target verifies, so exactness does not depend on them.
 
+Memory: all graphs share one private pool, which holds about one padded round's activations (the
+prefix K/V gather dominates: ``N_pad x capacity_pad x KV heads x head_dim x 2`` per drafter attention
+layer) for the engine's lifetime. vLLM's memory profiling does not see it (its drafter dummy run uses
+a one-slot prefix), so it comes out of the headroom ``gpu_memory_utilization`` leaves. A padded round
+that does not fit runs unpadded and eagerly instead. Captures happen while serving, each with a
+device sync: a latency blip on the first round of each shape.
+
 Graphs are captured lazily, on the first round of each ``(batch size, capacity, K)`` key. An eager
 warm-up of the same shapes runs first (it compiles and autotunes the Triton kernels and creates the
 drafter's cached constants). All graphs share one memory pool. Anything that fails during capture
@@ -37,7 +44,8 @@ from vllm_hybridspec.drafter.model import DraftBlock
 logger = logging.getLogger(__name__)
 
 MIN_CAPACITY = 64
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, *range(384, 4097, 128))
+CAPACITY_STEP = 4096  # past this, capacities are padded to a multiple of it instead of a power of two
 MAX_GRAPHS = 64
 
 
@@ -69,11 +77,16 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
 
 
 def capacity_bucket(capacity: int, max_capacity: int) -> int:
-    """The next power of two ``>= capacity`` (at least ``MIN_CAPACITY``), capped at ``max_capacity``
-    (the block table's reach), which is returned for anything larger."""
-    c = MIN_CAPACITY
-    while c < capacity:
-        c *= 2
+    """The next power of two ``>= capacity`` (at least ``MIN_CAPACITY``) up to ``CAPACITY_STEP``, the
+    next multiple of ``CAPACITY_STEP`` past it (at most 1.5x ... 2x padding, fewer graphs and less padded
+    memory for long contexts), capped at ``max_capacity`` (the block table's reach), which is returned
+    for anything larger."""
+    if capacity > CAPACITY_STEP:
+        c = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+    else:
+        c = MIN_CAPACITY
+        while c < capacity:
+            c *= 2
     return min(c, max_capacity) if capacity <= max_capacity else max_capacity
 
 
@@ -161,14 +174,26 @@ class DraftGraphs:
             capacity=cap, num_draft=num_draft)
 
     def _round(self, r: _Round) -> DraftBlock:
-        prefix_kv = self.model.gather_prefix_kv(r.block_table, r.capacity)
+        prefix_kv = self.model.gather_prefix_kv(r.block_table, r.capacity, r.prefix_lens)
         return self.model.draft(r.last_hidden, r.anchors, prefix_kv, r.prefix_lens, r.num_draft)
 
     def _prepare(self, key: tuple, r: _Round) -> bool:
         """First round of a key: an eager padded round (its outputs are this round's drafts), then,
         with ``capture``, the graph for the next rounds. False (and the key eager from then on) when
         the capture fails."""
-        r.out = self._round(r)
+        if self.capture:
+            # graphs read the cached arange: size it to the block table's reach before any capture,
+            # so no later round has to grow it (a grown one is kept alive anyway, see _arange)
+            self.model._arange(max(key[1], key[3] * (self.model.prefix_block_size() or 1)), r.anchors.device)
+        try:
+            r.out = self._round(r)
+        except torch.cuda.OutOfMemoryError as e:  # the padded round does not fit: run unpadded rounds
+            logger.warning("H-Spec drafter: the padded round for batch %d, capacity %d does not fit in memory "
+                           "(%s); these rounds run eagerly", key[0], key[1], e)
+            self.eager_keys.add(key)
+            del self.rounds[key]
+            torch.cuda.empty_cache()
+            return False
         if not self.capture:
             return True
         constants = dict(self.model._constants)

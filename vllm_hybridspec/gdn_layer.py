@@ -393,9 +393,11 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
     def _spec_conv_gpu(self, layout: SpecLayout, x):
         """:meth:`_spec_conv` for all spec sequences at once, with no host loop: each token's
         ``K_conv`` inputs are gathered from ``[old windows ; x]`` (:func:`spec_conv_index`, built
-        once per layout and width and shared by the layers) and combined in float32 (bias, then the
-        taps in order, then SiLU), as vLLM's ``causal_conv1d_update`` kernel does. Nothing is written
-        to the pool."""
+        once per layout and width and shared by the layers) and combined in float32 (the products
+        summed, then the bias, then SiLU). vLLM's ``causal_conv1d_update`` kernel rounds differently
+        (fused multiply-adds; bf16 products for bf16 weights), so spec-step and plain-decode conv outputs
+        agree to rounding, not bit for bit (as the per-sequence torch conv before it). Nothing is
+        written to the pool."""
         cpu = vllm_cpu_gdn_paths()
         conv = cpu.conv_view(self)  # [slots, conv_dim, W]
         weight = cpu.conv_weight(self)  # [conv_dim, K_conv]

@@ -182,7 +182,7 @@ class HSpecProposer(RunnerDFlashProposer):
             block = self.draft_graphs.run(last_hidden, next_token_ids[:N], cad.block_table_tensor[:N], prefix_lens,
                                           cad.max_seq_len, num_speculative_tokens)
         if block is None:
-            prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len)
+            prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len, prefix_lens)
             block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         self.last_draft = block
         w_rem = None  # [N], computed once for the capture and the selector

@@ -127,3 +127,26 @@ def test_all_kv_heads_restores_the_targets_heads_from_the_ranks_shards(monkeypat
         got = hspec.all_kv_heads(shards[r], tp, total)
         assert torch.equal(got, full), r
     assert len(gathers) == (0 if per_rank == total else tp)  # a rank holding every head gathers nothing
+
+
+def test_masked_prefix_slots_cannot_poison_a_round_and_graphs_keep_the_arange_they_read():
+    """Slots past a request's prefix may hold any bytes (vLLM's hybrid allocator shares pages with
+    float32 GDN state): a NaN there must not reach the drafts (the gather zeroes them). And a grown
+    cached arange must stay alive for graphs captured with the old one."""
+    m = build(torch.float32, 2048, 16, "FLASH_ATTN", seed=8)
+    gen = torch.Generator().manual_seed(24)
+    last_hidden, anchors, block_table, prefix_lens = _inputs(m, 3, gen, torch.float32)
+    capacity = int(prefix_lens.max()) + 2
+    ref = _eager(m, last_hidden, anchors, block_table, prefix_lens, capacity)
+    # poison every cache slot past request 0's prefix in its own blocks (block_size 16)
+    for reader in m.kv_readers:
+        for pos in range(int(prefix_lens[0]), capacity):
+            reader.kv_cache[int(block_table[0, pos // 16]), :, pos % 16] = float("nan")
+    with torch.inference_mode():
+        got = m.draft(last_hidden, anchors, m.gather_prefix_kv(block_table, capacity, prefix_lens), prefix_lens, K)
+        unguarded = m.draft(last_hidden, anchors, m.gather_prefix_kv(block_table, capacity), prefix_lens, K)
+    assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.top1_prob, ref.top1_prob)
+    assert not unguarded.top1_prob[0].isfinite().all()  # what the zeroing prevents
+    before = m._constants[("arange", torch.device("cpu"))]
+    m._arange(before.shape[0] + 1, torch.device("cpu"))
+    assert m._constants[("arange", torch.device("cpu"))] is not before and before in m._retired_constants

@@ -71,7 +71,7 @@ def build(dtype, sliding_window, markov_rank, backend, seed=0, num_blocks=48, bl
     m.layers, m.state_injection, m.rotary_emb = drafter.layers, drafter.state_injection, drafter.rotary_emb
     m.norm, m.markov_head, m.embed_tokens = drafter.norm, drafter.markov_head, drafter.embed_tokens
     m.target_compute_logits = drafter.lm_head
-    m._constants, m._upcast_dtypes = {}, {}
+    m._constants, m._upcast_dtypes, m._retired_constants = {}, {}, []
     g = config.attention_geometry
     gen = torch.Generator().manual_seed(seed + 1)
     m.kv_readers = nn.ModuleList(

@@ -154,6 +154,7 @@ class HSpecForVLLM(nn.Module):
         # per-round constants (aranges, the block's causal mask, RoPE frequencies), made once per
         # device and key on first use; plain attributes, not buffers, so the state dict is unchanged
         self._constants: dict[tuple, torch.Tensor] = {}
+        self._retired_constants: list[torch.Tensor] = []  # replaced constants graphs may still read
         # parameters kept in float32 by upcast_ssm_parameters: name -> the dtype they were loaded in
         self._upcast_dtypes: dict[str, torch.dtype] = {}
 
@@ -216,9 +217,13 @@ class HSpecForVLLM(nn.Module):
         return value
 
     def _arange(self, n: int, device: torch.device) -> torch.Tensor:
-        """``torch.arange(n, device=device)`` (int64), a slice of one cached arange."""
+        """``torch.arange(n, device=device)`` (int64), a slice of one cached arange. A grown arange
+        replaces the cached one, but the old tensor is kept alive: CUDA graphs captured earlier
+        (``draft_graphs.py``) read its memory, which must never be handed to anything else."""
         have = self._constants.get(("arange", device))
         if have is None or have.shape[0] < n:
+            if have is not None:
+                self._retired_constants.append(have)
             have = self._constants["arange", device] = torch.arange(
                 max(n, 2 * (have.shape[0] if have is not None else 0), 4096), device=device)
         return have[:n]
@@ -239,14 +244,22 @@ class HSpecForVLLM(nn.Module):
         return min(sizes) if sizes else None
 
     def gather_prefix_kv(
-        self, block_table: torch.Tensor, capacity: int
+        self, block_table: torch.Tensor, capacity: int, prefix_lens: torch.Tensor | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per drafter attention layer, the target's cached K/V of slots ``[0, capacity)`` of each
         request, ``[N, kv_heads, capacity, head_dim]`` each, read through ``block_table`` ``[N, >=
-        ceil(capacity / block_size)]``. A transient read; nothing is kept or written."""
+        ceil(capacity / block_size)]``. A transient read; nothing is kept or written.
+
+        With ``prefix_lens`` ``[N]``, slots at or past each request's prefix are zeroed. The drafter's
+        mask excludes them, but the mask is additive: a non-finite value there (the bytes of a block
+        slot no request wrote, which vLLM's hybrid allocator may share with float32 GDN state pages)
+        would still turn the row's attention into NaN."""
         out = []
         N = block_table.shape[0]
         blocks = {}  # block size -> [N, n_blocks] long, shared by the layers
+        stale = None
+        if prefix_lens is not None:  # [N, 1, capacity, 1]
+            stale = self._arange(capacity, block_table.device)[None, None, :, None] >= prefix_lens.long()[:, None, None, None]
         for reader in self.kv_readers:
             kv_cache = reader.kv_cache
             if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:  # profiling: no cache yet
@@ -262,15 +275,20 @@ class HSpecForVLLM(nn.Module):
             if block_size not in blocks:
                 blocks[block_size] = block_table[:, : -(-capacity // block_size)].long()  # [N, n_blocks]
             heads = self._arange(k_cache.shape[1], block_table.device)
+            total = self.config.attention_geometry.num_key_value_heads
             if _kv_halves_of(kv_cache, k_cache, v_cache):
                 kv = _gather_blocks(kv_cache, blocks[block_size], heads, capacity)  # one read for K and V
                 D = k_cache.shape[-1]
-                kv = all_kv_heads(kv, self.tp_size, self.config.attention_geometry.num_key_value_heads)
+                kv = all_kv_heads(kv, self.tp_size, total)
+                if stale is not None:
+                    kv = kv.masked_fill(stale, 0)
                 out.append((kv[..., :D], kv[..., D:]))
             else:
-                total = self.config.attention_geometry.num_key_value_heads
-                out.append((all_kv_heads(_gather_blocks(k_cache, blocks[block_size], heads, capacity), self.tp_size, total),
-                            all_kv_heads(_gather_blocks(v_cache, blocks[block_size], heads, capacity), self.tp_size, total)))
+                k, v = (all_kv_heads(_gather_blocks(c, blocks[block_size], heads, capacity), self.tp_size, total)
+                        for c in (k_cache, v_cache))
+                if stale is not None:
+                    k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)
+                out.append((k, v))
         return out
 
     @torch.inference_mode()
