@@ -374,3 +374,33 @@ def test_gpu_spec_conv_equals_the_per_sequence_loop(monkeypatch, dim_first, dtyp
         tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
         assert rel_err(got, ref) < tol, (width, rel_err(got, ref))
         assert rel_err(got, loop) < (1e-6 if dtype == torch.float32 else 1.6e-2)
+
+
+def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed():
+    """A verified round still held when a step scheduled no draft (a dummy batch's forward, then a
+    plain step replayed from a full graph, which runs no Python) must not be committed: the pools
+    keep their values and the round is dropped."""
+    from vllm_hybridspec.gdn_layer import commit_rounds
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+    pool = S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K)
+    layer.kv_cache = (conv.clone(), pool.clone())
+    layer.one_slot = True
+    md = spec_metadata([3, 2], [0, 1], [4, 6], 2)
+    x = torch.randn(5, layer.conv1d.weight.shape[0], generator=gen)
+    layer._verify_cpu(md, x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
+    assert layer.verified_round is not None
+    runner = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn": layer}))
+    sampled = torch.tensor([[5, 6, 7], [8, 9, -1]])
+    commit_rounds(runner, sampled, SimpleNamespace(scheduled_spec_decode_tokens={}))
+    assert layer.verified_round is None
+    assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], pool)
+    # the same round in a step that did verify drafts is committed: the two slots move
+    layer._verify_cpu(md, x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
+    commit_rounds(runner, sampled, SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]}))
+    assert layer.verified_round is None
+    moved = (layer.kv_cache[1] != pool).flatten(1).any(1)
+    assert moved.tolist() == [s in (4, 6) for s in range(num_slots)]

@@ -507,6 +507,12 @@ def commit_rounds(runner, sampled_token_ids: torch.Tensor, scheduler_output=None
     layers = [layer for layer in runner.compilation_config.static_forward_context.values()
               if isinstance(layer, HSpecQwenGDN) and layer.verified_round is not None]
     _layouts.clear()  # this step's layouts live on in the verified rounds; the next step reads anew
+    if layers and scheduler_output is not None and not scheduler_output.scheduled_spec_decode_tokens:
+        # this step verified no draft, so a round still held was left by a forward that sampled nothing
+        # (a dummy batch) and its step ran as a full-graph replay, which runs no Python to clear it
+        for layer in layers:
+            layer.verified_round = None
+        return
     if not layers:
         return
     num_committed_dev = (sampled_token_ids != -1).sum(dim=1)
