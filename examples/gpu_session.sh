@@ -9,6 +9,7 @@
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
 #   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
+#   bash examples/gpu_session.sh graphs     # the drafter's CUDA graphs vs eager rounds, no engine (seconds)
 #   bash examples/gpu_session.sh calib-35b  # 35B-shape cost file + policy (issue 6)
 #   bash examples/gpu_session.sh record-35b, then bench-35b-{plain,all,sel,dyn}
 #                                           # issue 7 (b): 35B shape, replayed acceptance, C = 1, 4
@@ -102,6 +103,10 @@ profile)
     --engine-args "$EF" --out "$R/hspec-vllm-full-w8"
   run prof-plain python3 examples/profile_round.py --target /tmp/full-shape/target --load-format dummy --vocab 248000 \
     --engine-args "$EA" --out "$R/plain-piecewise"
+  ;;
+graphs)
+  # the drafter's CUDA graphs against eager rounds, no engine (seconds; needs the bundle + extras)
+  python3 examples/check_draft_graphs.py --out "$R/draft_graphs.json" 2>&1 | grep -v "^INFO\|^WARNING" | tail -40
   ;;
 calib-35b)
   # issue 6: the 35B-shape policy. Per-round costs of the dummy H-Spec drafter + one-slot GDN at fixed
