@@ -123,6 +123,7 @@ def test_all_kv_heads_restores_the_targets_heads_from_the_ranks_shards(monkeypat
               for r in range(tp)]
     gathers = []
     monkeypatch.setattr(hspec, "tp_all_gather", lambda t, dim: gathers.append(t) or torch.cat(shards, dim=dim))
+    assert hspec.kv_heads_recoverable(per_rank, tp, total)
     for r in range(tp):
         got = hspec.all_kv_heads(shards[r], tp, total)
         assert torch.equal(got, full), r
@@ -150,3 +151,11 @@ def test_masked_prefix_slots_cannot_poison_a_round_and_graphs_keep_the_arange_th
     before = m._constants[("arange", torch.device("cpu"))]
     m._arange(before.shape[0] + 1, torch.device("cpu"))
     assert m._constants[("arange", torch.device("cpu"))] is not before and before in m._retired_constants
+
+
+def test_kv_head_layouts_the_drafter_cannot_read_are_refused():
+    from vllm_hybridspec.models.hspec import kv_heads_recoverable
+
+    assert not kv_heads_recoverable(2, 2, 3)  # 2 per rank on 2 ranks is not 3 heads
+    assert not kv_heads_recoverable(1, 4, 3)  # 3 heads cannot be replicated evenly on 4 ranks
+    assert not kv_heads_recoverable(2, 1, 4)  # one rank holding half the heads

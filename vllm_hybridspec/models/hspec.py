@@ -83,6 +83,13 @@ def all_kv_heads(kv: torch.Tensor, tp_size: int, total_heads: int) -> torch.Tens
     return gathered if heads * tp_size == total_heads else gathered[:, :: tp_size // total_heads]
 
 
+def kv_heads_recoverable(per_rank: int, tp_size: int, total_heads: int) -> bool:
+    """Whether :func:`all_kv_heads` can restore ``total_heads`` from ranks caching ``per_rank`` each: a
+    rank holds all of them, an even shard of them, or one head replicated on ``tp / total`` ranks."""
+    return (per_rank == total_heads or per_rank * tp_size == total_heads
+            or (per_rank == 1 and total_heads < tp_size and tp_size % total_heads == 0))
+
+
 class HSpecForVLLM(nn.Module):
     tp_size = 1  # the engine's tensor parallel size (set in __init__)
 
@@ -129,9 +136,7 @@ class HSpecForVLLM(nn.Module):
             # than ranks, one replicated head); the drafter, replicated on every rank, reads all of them
             # through all_kv_heads
             total, tp = g.num_key_value_heads, self.tp_size
-            shard_ok = target.num_kv_heads * tp == total or (
-                target.num_kv_heads == 1 and total < tp and tp % total == 0) or target.num_kv_heads == total
-            if not shard_ok or target.head_size != g.head_dim:
+            if not kv_heads_recoverable(target.num_kv_heads, tp, total) or target.head_size != g.head_dim:
                 raise ValueError(
                     f"drafter attention layer {i} reads {target_name} with {target.num_kv_heads} KV "
                     f"heads of size {target.head_size} per rank (tensor parallel size {tp}), but the "
@@ -230,18 +235,24 @@ class HSpecForVLLM(nn.Module):
 
     # --- drafting --------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _reader_caches(reader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(kv_cache, k_cache, v_cache)`` of a KV reader (the K/V views ``[num_blocks, kv_heads,
+        block_size, D]``), or ``None`` before vLLM has bound a cache to it (profiling)."""
+        kv_cache = reader.kv_cache
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+            return None
+        k_cache, v_cache = paged_kv_views(
+            kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None))
+        return kv_cache, k_cache, v_cache
+
     def prefix_block_size(self) -> int | None:
         """The smallest KV block size among the target caches the drafter reads (how far a block
         table reaches), or ``None`` before vLLM has bound them (profiling)."""
-        sizes = []
-        for reader in self.kv_readers:
-            kv_cache = reader.kv_cache
-            if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
-                return None
-            k_cache, _ = paged_kv_views(
-                kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None))
-            sizes.append(k_cache.shape[2])
-        return min(sizes) if sizes else None
+        caches = [self._reader_caches(reader) for reader in self.kv_readers]
+        if not caches or any(c is None for c in caches):
+            return None
+        return min(k_cache.shape[2] for _, k_cache, _ in caches)
 
     def gather_prefix_kv(
         self, block_table: torch.Tensor, capacity: int, prefix_lens: torch.Tensor | None = None
@@ -261,16 +272,14 @@ class HSpecForVLLM(nn.Module):
         if prefix_lens is not None:  # [N, 1, capacity, 1]
             stale = self._arange(capacity, block_table.device)[None, None, :, None] >= prefix_lens.long()[:, None, None, None]
         for reader in self.kv_readers:
-            kv_cache = reader.kv_cache
-            if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:  # profiling: no cache yet
+            caches = self._reader_caches(reader)
+            if caches is None:  # profiling: no cache yet
                 g = self.config.attention_geometry
                 empty = torch.zeros(N, g.num_key_value_heads, capacity, g.head_dim,
                                     dtype=self.norm.weight.dtype, device=block_table.device)
                 out.append((empty, empty))
                 continue
-            k_cache, v_cache = paged_kv_views(
-                kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None)
-            )
+            kv_cache, k_cache, v_cache = caches
             block_size = k_cache.shape[2]
             if block_size not in blocks:
                 blocks[block_size] = block_table[:, : -(-capacity // block_size)].long()  # [N, n_blocks]
