@@ -68,7 +68,7 @@ def main() -> None:
             raise SystemExit('--lengths needs "hybridspec": {"fixed_length": ...} in --speculative-config')
     for w in lengths:
         if selector is not None:
-            selector.options.fixed_length = w
+            selector.configure(fixed_length=w)
         profile_steps(engine, args, spec, args.out / f"w{w}" if w is not None else args.out, start_s, w)
 
 

@@ -103,3 +103,34 @@ def test_remaining_budget_caps_by_max_tokens_and_max_model_len():
     prefix_lens = torch.tensor([28, 10, 100, 251])
     w_rem = remaining_budget(runner, prefix_lens, K)
     assert w_rem.tolist() == [1, K + 1, K + 1, 4]
+
+
+def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
+    """``configure`` (what ``calibrate costs`` and ``evaluate.py`` call between measurements): a fixed
+    length cuts every row to it; drafting off gates every step (and makes the runner patches act);
+    a policy selects its lengths and brings its gate, unless ``gate=False``; no argument verifies
+    everything; a bad value is a ValueError naming it and leaves the selector as it was."""
+    path = policy_file(tmp_path, gate={"4": False})
+    selector = LengthSelector(HybridSpecOptions(fixed_length=K + 1), K, torch.device("cpu"), max_num_reqs=64)
+    n = 6
+    conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
+    drafts = torch.randint(0, 96, (n, K), generator=gen)
+    w_rem = torch.full((n,), K + 1)
+
+    selector.configure(fixed_length=3)
+    assert selector.select(drafts, conf, ent, w_rem).tolist() == [2] * n
+    selector.configure(drafting=False)
+    assert selector.active and not selector.speculate(1) and not selector.speculate(64)
+    selector.configure(policy=path)
+    _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem).long(), w0 - 1)
+    assert selector.speculate(2) and not selector.speculate(4)  # the policy's gate
+    selector.configure(policy=path, gate=False)
+    assert selector.speculate(4)
+    selector.configure()
+    assert selector.select(drafts, conf, ent, w_rem).tolist() == [K] * n and selector.speculate(4)
+    with pytest.raises(ValueError, match=r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"):
+        selector.configure(fixed_length=K + 2)
+    with pytest.raises(ValueError, match="does not exist"):
+        selector.configure(policy=str(tmp_path / "missing.json"))
+    assert selector.options.fixed_length == K + 1 and selector.speculate(4)

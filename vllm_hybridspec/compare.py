@@ -159,12 +159,12 @@ def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int]
             if selector is not None:
                 if w > spec["num_speculative_tokens"] + 1:
                     continue
-                selector.options.fixed_length = w
+                selector.configure(fixed_length=w)
             t = time_decode_steps(llm, prompts, b, steps, warmup, f"sweep-{w}-{b}")
             t.length = w
             out[f"B{b}_w{w or 'plain'}"] = t.summary()
     if selector is not None:
-        selector.options.fixed_length = spec["num_speculative_tokens"] + 1
+        selector.configure(fixed_length=spec["num_speculative_tokens"] + 1)
     return out
 
 

@@ -37,9 +37,8 @@ class LengthSelector:
         self.options = options
         self.k = num_speculative_tokens
         self.device = device
-        self.policy = Policy.load(options.policy, device) if options.policy else None
-        self.trims = bool(options.select or options.fixed_length is not None)
-        self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
+        self.drafting = True  # False: every step runs without drafts (configure(drafting=False))
+        self._apply(options)
         # rows verified at each length w (index w = 1..K+1) since the engine started, on device
         self.length_counts = torch.zeros(self.k + 2, dtype=torch.int64, device=device)
         self.steps = 0
@@ -53,14 +52,43 @@ class LengthSelector:
         if device.type == "cuda":
             self._cuda_event, self._stream = torch.cuda.Event(), torch.cuda.Stream()
 
+    def _apply(self, options: HybridSpecOptions) -> None:
+        self.options = options
+        self.policy = Policy.load(options.policy, self.device) if options.policy else None
+        self.trims = bool(options.select or options.fixed_length is not None)
+        self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
+
+    def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
+                  gate: bool | None = None, drafting: bool = True) -> None:
+        """Switch a running engine's selector between measurements (``calibrate costs``,
+        ``evaluate.py``): verify exactly ``fixed_length`` tokens per request; or select lengths with
+        the policy file ``policy`` (its batch gate too, unless ``gate`` is false; ``None`` keeps the
+        engine's setting); or, with ``drafting=False``, run every step
+        without drafts (what the batch gate does for a step, i.e. vLLM's plain decode path).
+        Raises ``ValueError`` naming a bad value, as the ``"hybridspec"`` options do at engine start."""
+        if fixed_length is not None and policy is not None:
+            raise ValueError("configure: give fixed_length or policy, not both")
+        raw = {**self.options.model_dump(), "fixed_length": fixed_length, "policy": policy,
+               "select": policy is not None, "batched": self.options.batched and policy is not None}
+        if gate is not None:
+            raw["gate"] = gate
+        if fixed_length is None and policy is None:
+            raw["fixed_length"] = self.k + 1  # verify everything
+        options = HybridSpecOptions.model_validate(raw)
+        options.check(self.k)
+        self._apply(options)
+        self.drafting = drafting
+
     @property
     def active(self) -> bool:
-        return self.trims or self.gates
+        return self.trims or self.gates or not self.drafting
 
     # --- per round, called by the proposer --------------------------------------------------------
 
     def speculate(self, batch: int) -> bool:
         """The batch gate (a host decision of the batch size, identical on every TP rank)."""
+        if not self.drafting:
+            return False
         return not self.gates or self.policy.speculate(batch)
 
     def gated(self, drafts: torch.Tensor) -> torch.Tensor:

@@ -77,15 +77,17 @@ def test_cost_file_has_the_requested_lengths_and_samples(measured):
     out, runs = measured
     costs = load_costs(out)
     assert sorted(costs.round_ms) == LENGTHS
-    assert sorted(costs.batched) == [2]
+    assert sorted(costs.batched) == BATCHES  # B = 1 too, so the batch gate covers it
+    assert costs.batched[1].round_ms == costs.round_ms
     for samples_by_len in (costs.round_ms, costs.batched[2].round_ms):
         assert sorted(samples_by_len) == LENGTHS
         for w, samples in samples_by_len.items():
             assert isinstance(samples, list) and len(samples) == STEPS, (w, samples)
             assert all(math.isfinite(x) and x > 0 for x in samples), (w, samples)
-    plain_ms = costs.batched[2].plain_ms
-    assert plain_ms is not None and math.isfinite(plain_ms) and plain_ms > 0
-    assert plain_ms == runs["plain_ms"]["2"]
+    for b in BATCHES:
+        plain_ms = costs.batched[b].plain_ms
+        assert plain_ms is not None and math.isfinite(plain_ms) and plain_ms > 0
+        assert plain_ms == runs["plain_ms"][str(b)]
     spec_runs = {(r["batch"], r["length"]): r for r in runs["runs"] if r["length"] is not None}
     for b, by_len in ((1, costs.round_ms), (2, costs.batched[2].round_ms)):
         for w, samples in by_len.items():
@@ -118,7 +120,7 @@ def test_runs_sidecar_tokens_per_step(measured):
 
 def test_fit_reads_the_measured_cost_file(measured, tmp_path):
     """``hybridspec calibrate fit`` takes the measured file with the drafter's capture-run records and
-    writes a policy for D = K = 7, with a batched entry for the measured B = 2."""
+    writes a policy for D = K = 7, with batched and gate entries for the measured B = 1 and 2."""
     out, _ = measured
     policy = tmp_path / "policy.json"
     records = MODELS / "dense-hspec" / "records.jsonl.gz"
@@ -127,7 +129,8 @@ def test_fit_reads_the_measured_cost_file(measured, tmp_path):
     assert r.exit_code == 0, r.output
     obj = json.loads(policy.read_text())
     assert obj["draft_len"] == K and obj["min_length"] == 1
-    assert sorted(obj["batched"]) == ["2"]
+    assert sorted(obj["batched"]) == ["1", "2"]
+    assert sorted(obj["gate"]) == ["1", "2"]  # a gate entry for every measured batch size, B = 1 included
     assert "D = 7" in r.output
 
 
@@ -292,3 +295,20 @@ def test_compare_sweep_and_selector_stats(compared):
     assert rows and set(rows) <= {str(w) for w in range(1, K + 2)}, rows
     assert str(K + 1) in rows and all(isinstance(n, int) for n in rows.values()), rows
     assert hspec["selector"]["steps"] > 0
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--plain-gated"], "--plain-gated times plain steps in the speculative engine"),
+    (["--plain-gated", "--plain", "--speculative-config", json.dumps(SPEC)], "excludes --plain"),
+], ids=["without-speculative-config", "with-plain"])
+def test_costs_plain_gated_needs_a_speculative_engine(no_engine, tmp_path, extra, expected):
+    """``--plain-gated`` takes plain step times from the speculative engine: without
+    ``--speculative-config`` (nothing to gate; ``--plain`` added so only this check can refuse) and
+    together with ``--plain`` (two sources for one number) it exits 2 before any engine starts."""
+    args = ["costs", "--model", str(MODELS / "dense"), "--out", str(tmp_path / "costs.json"), *extra]
+    if "--speculative-config" not in extra:
+        args.append("--plain")
+    r = CliRunner().invoke(calibrate_app, args)
+    assert r.exit_code == 2, r.output
+    assert expected in r.stderr, r.stderr
+    assert no_engine == []

@@ -151,6 +151,8 @@ def costs(
     lengths: str = typer.Option("1,2,4,8,12,16", help="verification lengths w (anchor + drafts), 1..K+1"),
     batch_sizes: str = typer.Option("1", help="concurrent requests per measurement, comma-separated"),
     plain: bool = typer.Option(False, help="also time plain decoding (no drafter) at each batch size"),
+    plain_gated: bool = typer.Option(False, help="time plain decoding in the speculative engine itself, with "
+                                     "drafting turned off as the batch gate does (no second engine start)"),
     prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
                                         "tokenizer); default random token ids"),
     prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
@@ -177,6 +179,9 @@ def costs(
     extra = _json_object(engine_args, "engine-args")
     if spec is None and not plain:
         raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
+    if plain_gated and (spec is None or plain):
+        raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
+                              "--speculative-config and excludes --plain"))
     batches = numbers(batch_sizes, "batch-sizes")
     token_prompts = _calibration_prompts(model, prompts, max(batches), prompt_len, vocab)
     if len(token_prompts) < max(batches):
@@ -193,7 +198,7 @@ def costs(
 
     try:
         cost_file, runs = measure_costs(model, spec, numbers(lengths, "lengths"), batches, token_prompts, steps,
-                                        warmup, extra, plain, progress)
+                                        warmup, extra, plain, progress, plain_gated=plain_gated)
     except ValueError as e:
         bar.close()
         raise fail(e) from None

@@ -6,7 +6,8 @@ length selector is set to ``w`` (so the target verifies exactly ``w`` tokens per
 and ``w - 1`` drafts) and ``B`` requests are decoded step by step through ``LLMEngine.step``; the
 wall time of each step after the warm-up is one round's time (drafting + verification + rejection
 sampling + the GDN commit). ``--plain`` also starts the target without speculation and times its
-decode steps at each ``B`` (``plain_ms``, for the batch gate and for comparison).
+decode steps at each ``B`` (``plain_ms``, for the batch gate and for comparison); ``--plain-gated``
+times them in the same engine with drafting turned off instead (one engine start fewer).
 
 The engine runs in this process with synchronous scheduling, so a step's wall time is the round's.
 The cost file is what ``hybridspec calibrate fit --costs`` reads (docs/policy.md): ``round_ms`` holds
@@ -91,18 +92,22 @@ def time_decode_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: 
 
 def measure_costs(model: str, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
                   prompts: list[dict], steps: int, warmup: int, engine_args: dict, plain: bool,
-                  progress=None) -> tuple[dict, dict]:
-    """Return (cost file dict, runs sidecar dict). ``speculative_config`` None measures plain only."""
+                  progress=None, plain_gated: bool = False) -> tuple[dict, dict]:
+    """Return (cost file dict, runs sidecar dict). ``speculative_config`` None measures plain only.
+
+    ``plain`` starts a second engine without speculation for the plain step times; ``plain_gated``
+    takes them from the speculative engine itself with drafting turned off (the steps the batch gate
+    runs: vLLM's plain decode path), which saves an engine start (minutes at full-size shapes)."""
     from vllm import LLM
 
-    from vllm_hybridspec.vllm_internals import kv_capacity_tokens, in_process_drafter
+    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
 
     runs: dict = {"model": model, "speculative_config": speculative_config, "engine_args": engine_args,
                   "steps": steps, "warmup": warmup, "runs": []}
     base = {"model": model, "skip_tokenizer_init": True, "seed": 0, "async_scheduling": False,
             "max_num_seqs": max(batch_sizes), **engine_args}
     costs: dict = {"version": 1}
-    todo = len(batch_sizes) * ((len(lengths) if speculative_config else 0) + int(plain))
+    todo = len(batch_sizes) * ((len(lengths) if speculative_config else 0) + int(plain or plain_gated))
     done = 0
 
     def tick(label: str) -> None:
@@ -123,23 +128,9 @@ def measure_costs(model: str, speculative_config: dict | None, lengths: list[int
         spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
         llm = LLM(**base, speculative_config=spec, disable_log_stats=False)
         runs["kv_capacity_tokens"] = kv_capacity_tokens(llm)
-        selector = getattr(in_process_drafter(llm), "length_selector", None)
-        if selector is None or selector.options.fixed_length is None:
-            raise RuntimeError(f"method {spec['method']!r} has no hybridspec length selector; costs need a "
-                               "drafter with one (hspec, dflash, replay_bench)")
-        for b in batch_sizes:
-            per_len = {}
-            for w in lengths:
-                selector.options.fixed_length = w
-                t = time_decode_steps(llm, prompts, b, steps, warmup, f"w{w}b{b}")
-                t.length = w
-                per_len[str(w)] = [round(x, 4) for x in t.ms]
-                runs["runs"].append(t.summary())
-                tick(f"B={b} w={w}: {t.mean_ms:.2f} ms")
-            if b == 1:
-                costs["round_ms"] = per_len
-            else:
-                costs.setdefault("batched", {})[str(b)] = {"round_ms": per_len}
+        selector = engine_selector(llm, spec["method"])
+        measure_round_costs(llm, selector, lengths, batch_sizes, prompts, steps, warmup, costs, runs,
+                            plain_gated, tick)
         del llm
         _release()
     if plain:
@@ -148,13 +139,58 @@ def measure_costs(model: str, speculative_config: dict | None, lengths: list[int
         for b in batch_sizes:
             t = time_decode_steps(llm, prompts, b, steps, warmup, f"plain-b{b}")
             runs["runs"].append(t.summary())
-            if b != 1 and "batched" in costs:
+            if "batched" in costs:
                 costs["batched"][str(b)]["plain_ms"] = round(t.mean_ms, 4)
             runs.setdefault("plain_ms", {})[str(b)] = round(t.mean_ms, 4)
             tick(f"plain B={b}: {t.mean_ms:.2f} ms")
         del llm
         _release()
     return costs, runs
+
+
+def engine_selector(llm, method: str = "?"):
+    """The length selector of an in-process engine's proposer (``"hybridspec"`` options given)."""
+    from vllm_hybridspec.vllm_internals import in_process_drafter
+
+    selector = getattr(in_process_drafter(llm), "length_selector", None)
+    if selector is None:
+        raise RuntimeError(f"method {method!r} has no hybridspec length selector; the measurement needs a "
+                           "drafter with one (hspec, dflash, replay_bench) and a \"hybridspec\" dict")
+    return selector
+
+
+def measure_round_costs(llm, selector, lengths: list[int], batch_sizes: list[int], prompts: list[dict],
+                        steps: int, warmup: int, costs: dict, runs: dict, plain_gated: bool = False,
+                        tick=None) -> None:
+    """On a running speculative engine: per-step times at each fixed length ``w`` and batch size ``B``
+    into ``costs`` (``round_ms`` at ``B = 1``; ``batched[B]``, B = 1 included, so the gate table covers
+    every measured batch size) and their summaries into ``runs["runs"]``; with ``plain_gated`` also
+    the steps without drafts (``plain_ms`` per ``B``). The selector verifies everything afterwards."""
+    try:
+        for b in batch_sizes:
+            per_len = {}
+            for w in lengths:
+                selector.configure(fixed_length=w)
+                t = time_decode_steps(llm, prompts, b, steps, warmup, f"w{w}b{b}")
+                t.length = w
+                per_len[str(w)] = [round(x, 4) for x in t.ms]
+                runs["runs"].append(t.summary())
+                if tick:
+                    tick(f"B={b} w={w}: {t.mean_ms:.2f} ms")
+            if b == 1:
+                costs["round_ms"] = per_len
+            costs.setdefault("batched", {})[str(b)] = {"round_ms": per_len}
+            if plain_gated:
+                selector.configure(drafting=False)
+                t = time_decode_steps(llm, prompts, b, steps, warmup, f"gated-b{b}")
+                summary = {**t.summary(), "plain": "gated"}
+                runs["runs"].append(summary)
+                costs["batched"][str(b)]["plain_ms"] = round(t.mean_ms, 4)
+                runs.setdefault("plain_ms", {})[str(b)] = round(t.mean_ms, 4)
+                if tick:
+                    tick(f"plain (drafting off) B={b}: {t.mean_ms:.2f} ms")
+    finally:
+        selector.configure()
 
 
 def _release() -> None:

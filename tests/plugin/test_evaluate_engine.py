@@ -1,0 +1,110 @@
+"""``vllm_hybridspec.evaluate`` (``examples/evaluate_one_engine.py``) on the CPU: one engine of the
+reference hybrid target with its trained H-Spec drafter and the one-slot GDN layer measures the costs
+(fixed lengths, and plain steps with drafting off), fits a policy to the drafter's committed round
+records, and decodes in every mode; the modes' greedy outputs, vLLM's counters and the selector's
+lengths must agree with each other.
+
+The engine runs in a child process with ``OMP_NUM_THREADS=1`` (see test_costs_engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_hybridspec.evaluate import identical_prompts
+from vllm_hybridspec.policy.cost import load_costs
+from vllm_hybridspec.policy.policy_file import load_policy
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
+K = 7
+SPEC = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": K,
+        "hybridspec": {"gdn_kernel": True}}
+ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_batched_tokens": 1024, "dtype": "float32",
+          "mamba_ssm_cache_dtype": "float32"}
+LENGTHS, BATCHES, PROMPTS, STEPS, MAX_TOKENS = [1, 2, 4, 8], [1, 2], 6, 6, 24
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evaluate")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "examples/evaluate_one_engine.py", "--target", str(MODELS / "hybrid"),
+         "--prompts", str(MODELS / "prompts" / "heldout.jsonl"), "--num-prompts", str(PROMPTS),
+         "--speculative-config", json.dumps(SPEC), "--engine-args", json.dumps(ENGINE),
+         "--records", str(MODELS / "hybrid-hspec" / "records.jsonl.gz"),
+         "--lengths", ",".join(map(str, LENGTHS)), "--batch-sizes", ",".join(map(str, BATCHES)),
+         "--steps", str(STEPS), "--warmup", "3", "--max-tokens", str(MAX_TOKENS), "--out-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=800, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    print(proc.stdout[-3000:])
+    return out, json.loads((out / "evaluate.json").read_text()), proc.stdout
+
+
+def test_costs_and_policy_from_one_engine(evaluated):
+    """The cost file has every length at every batch size, with plain step times (drafting off) for the
+    gate at B = 1 and 2; the fitted policy loads and has a gate entry for both batch sizes."""
+    out, result, _ = evaluated
+    costs = load_costs(out / "costs.json")
+    assert sorted(costs.round_ms) == LENGTHS and sorted(costs.batched) == BATCHES
+    for b in BATCHES:
+        assert sorted(costs.batched[b].round_ms) == LENGTHS
+        assert costs.batched[b].plain_ms is not None and costs.batched[b].plain_ms > 0
+    gated = [r for r in result["costs"] if r.get("plain") == "gated"]
+    assert sorted(r["batch"] for r in gated) == BATCHES
+    for r in gated:  # drafting off: exactly one token per request per step
+        assert r["tokens_per_step"] == r["batch"]
+    policy = load_policy(out / "policy.json")
+    assert policy.draft_len == K and sorted(policy.gate) == BATCHES
+    assert result["policy_gate"] == {str(b): policy.gate[b] for b in BATCHES}
+
+
+def test_every_mode_gives_plain_decodings_greedy_output(evaluated):
+    """Greedy outputs of all prompts are token-for-token those of the plain mode in every mode, and the
+    engine's KV capacity is reported."""
+    _, result, stdout = evaluated
+    modes = result["modes"]
+    assert list(modes) == ["plain", "all", "sel", "sel-nogate"]
+    plain = modes["plain"]["outputs"]
+    assert len(plain) == PROMPTS and all(len(t) == MAX_TOKENS for t in plain)
+    assert len({tuple(t) for t in plain}) > 1  # the prompts give different continuations
+    for mode, r in modes.items():
+        assert identical_prompts(r["outputs"], plain) == PROMPTS, mode
+    assert result["kv_capacity_tokens"] > 0
+    assert "| sel-nogate |" in stdout
+
+
+def test_modes_verify_what_they_say(evaluated):
+    """plain: no draft verified, every step gated, one token per request per step. all: every row that
+    has the budget verifies K + 1 tokens. sel-nogate: the lengths the selector chose are what vLLM
+    verified (its drafts counter equals the sum over rows of w - 1) and some rows verify fewer than
+    K + 1 tokens; accepted drafts never exceed verified ones."""
+    _, result, _ = evaluated
+    modes = result["modes"]
+    plain = modes["plain"]
+    assert plain["spec_counters"].get("num_draft_tokens", 0) == 0 and plain["gated_steps"] > 0
+    for b, s in plain["steps"].items():
+        assert s["tokens_per_step"] == int(b)
+    for name in ("all", "sel-nogate"):
+        r = modes[name]
+        lengths = {int(w): n for w, n in r["rows_at_length"].items()}
+        verified = sum((w - 1) * n for w, n in lengths.items())
+        assert r["spec_counters"]["num_draft_tokens"] == verified, (name, lengths, r["spec_counters"])
+        assert 0 <= r["spec_counters"]["num_accepted_tokens"] <= verified
+        assert r["gated_steps"] == 0
+        for b, s in r["steps"].items():
+            assert int(b) <= s["tokens_per_step"] <= int(b) * (K + 1)
+    all_lengths = {int(w): n for w, n in modes["all"]["rows_at_length"].items()}
+    assert max(all_lengths, key=all_lengths.get) == K + 1  # short rounds only where the budget ends
+    sel_lengths = {int(w): n for w, n in modes["sel-nogate"]["rows_at_length"].items()}
+    assert sum(n for w, n in sel_lengths.items() if w < K + 1) > 0

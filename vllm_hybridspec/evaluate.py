@@ -1,0 +1,192 @@
+"""One engine start, every way of decoding it offers: costs, a fitted policy, and decode speed and
+greedy output with drafting off, with every draft verified and with selected lengths (issue 6).
+
+Engine starts at full-size shapes take minutes (174-379 s at the Qwen3.6-35B-A3B shape on the
+H200), and a GPU session has 30 of them. All of the following therefore share one in-process engine
+with the target, the drafter and ``"hybridspec": {"fixed_length": K + 1}``; the proposer's length
+selector is switched between the measurements (``LengthSelector.configure``):
+
+1. **costs**: per-step decode time at each fixed verification length ``w`` and batch size ``B``,
+   and with drafting turned off (the steps the batch gate runs: vLLM's plain decode path), written
+   as the cost file of ``hybridspec calibrate fit`` (``policy/measure.py``);
+2. **fit**: a policy from round records (a capture run of a drafter, ``hybridspec calibrate
+   capture``) and those costs (``policy/calibrate.py``);
+3. **modes**: ``plain`` (drafting off), ``all`` (every draft verified), ``sel`` (the fitted policy's
+   lengths and gate) and ``sel-nogate`` (its lengths alone). For each: the greedy outputs of all
+   prompts submitted at once (each mode's compared token for token with ``plain``), vLLM's
+   spec-decode counters over them, the lengths the selector chose, and decode steps at each batch
+   size (ms per step, tokens per step, tokens/s).
+
+``plain`` here is vLLM's own decode path in the speculative engine, not a second engine without
+speculation: it is what the engine runs whenever the gate turns drafting off. Compare it with a
+separate plain engine (``examples/vllm_compare.py``) where the difference matters.
+The command line is ``examples/evaluate_one_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
+
+MODES = ("plain", "all", "sel", "sel-nogate")
+
+
+def configure_mode(selector, mode: str, k: int, policy: str | None) -> None:
+    """Set ``selector`` for one of :data:`MODES`."""
+    if mode == "plain":
+        selector.configure(drafting=False)
+    elif mode == "all":
+        selector.configure(fixed_length=k + 1)
+    elif mode in ("sel", "sel-nogate"):
+        if policy is None:
+            raise ValueError(f"mode {mode!r} needs a policy file")
+        selector.configure(policy=policy, gate=mode == "sel")
+    else:
+        raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
+
+
+def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list[dict], max_tokens: int,
+             batch_sizes: list[int], steps: int, warmup: int) -> dict:
+    """Greedy outputs, counters and per-batch-size step times of one mode."""
+    from vllm import SamplingParams
+
+    from vllm_hybridspec.compare import spec_counters
+    from vllm_hybridspec.policy.measure import time_decode_steps
+
+    configure_mode(selector, mode, k, policy)
+    before_stats = selector.stats()
+    before = spec_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    batch_s = time.perf_counter() - t0
+    after = spec_counters(llm)
+    counters = {name: after[name] - before.get(name, 0.0) for name in after}
+    stats = selector.stats()
+    lengths = {w: n - before_stats["rows_at_length"].get(w, 0) for w, n in stats["rows_at_length"].items()}
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {
+        "mode": mode,
+        "outputs": tokens,
+        "batch_tokens_per_s": sum(map(len, tokens)) / batch_s,
+        "spec_counters": counters,
+        "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / counters["num_drafts"])
+        if counters.get("num_drafts") else None,
+        "rows_at_length": {w: n for w, n in lengths.items() if n},
+        "gated_steps": stats["gated_steps"] - before_stats["gated_steps"],
+        "steps": {},
+    }
+    for b in batch_sizes:
+        t = time_decode_steps(llm, prompts, b, steps, warmup, f"{mode}-b{b}")
+        result["steps"][str(b)] = {**t.summary(), "tokens_per_s": round(t.tokens / (sum(t.ms) / 1e3), 2)}
+    return result
+
+
+def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: list[dict], out_dir: Path,
+             records: str | None = None, policy: str | None = None, lengths: list[int] | None = None,
+             batch_sizes: list[int] = (1,), modes: list[str] = MODES, steps: int = 32, warmup: int = 4,
+             max_tokens: int = 64, min_length: int = 1, progress=print) -> dict:
+    """Costs (when ``lengths``), the policy fit (when ``records``; else ``policy`` is used as given) and
+    the ``modes``, all on one engine; writes ``costs.json`` (+ ``costs.runs.json``), ``policy.json`` and
+    ``evaluate.json`` under ``out_dir`` and returns the last one's content."""
+    from vllm import LLM
+
+    from vllm_hybridspec.policy.calibrate import fit_policy
+    from vllm_hybridspec.policy.cost import load_costs
+    from vllm_hybridspec.policy.measure import engine_selector, measure_round_costs, write_costs
+    from vllm_hybridspec.policy.policy_file import save_policy
+    from vllm_hybridspec.policy.records import Rounds, load_records
+    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
+
+    k = int(speculative_config["num_speculative_tokens"])
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; modes are {', '.join(MODES)}")
+    if any(m.startswith("sel") for m in modes) and records is None and policy is None:
+        raise ValueError("the 'sel' modes need --records (to fit a policy) or --policy")
+    if records is not None and not lengths:
+        raise ValueError("fitting a policy from --records needs --lengths (the costs it is fitted to)")
+    bad = [w for w in lengths or [] if not 1 <= w <= k + 1]
+    if bad:
+        raise ValueError(f"--lengths {bad} outside 1..num_speculative_tokens + 1 = {k + 1}")
+    if policy is not None and not Path(policy).is_file():
+        raise ValueError(f"policy file {policy!r} does not exist")
+    options = dict(speculative_config.get("hybridspec") or {})
+    if options.get("select") or options.get("policy") or options.get("capture"):
+        raise ValueError('--speculative-config: "hybridspec" may not set "select", "policy" or "capture" here; '
+                         "the evaluation sets the lengths itself")
+    spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rounds = Rounds.from_records(load_records(records)) if records is not None else None
+    if rounds is not None and rounds.draft_len != k:
+        raise ValueError(f"records {records!r} hold drafts of {rounds.draft_len} tokens but "
+                         f"num_speculative_tokens={k}")
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, seed=0, async_scheduling=False,
+              max_num_seqs=max(max(batch_sizes), len(prompts)), speculative_config=spec,
+              disable_log_stats=False, **engine_args)
+    result: dict = {"model": model, "speculative_config": spec, "engine_args": engine_args,
+                    "engine_start_s": round(time.perf_counter() - t0, 1),
+                    "kv_capacity_tokens": kv_capacity_tokens(llm), "modes": {}}
+    progress(f"engine started in {result['engine_start_s']} s, KV capacity {result['kv_capacity_tokens']} tokens")
+    selector = engine_selector(llm, spec["method"])
+
+    if lengths:
+        costs: dict = {"version": 1}
+        runs: dict = {"model": model, "speculative_config": spec, "engine_args": engine_args, "steps": steps,
+                      "warmup": warmup, "runs": [], "kv_capacity_tokens": result["kv_capacity_tokens"]}
+        measure_round_costs(llm, selector, sorted(lengths), list(batch_sizes), prompts, steps, warmup, costs,
+                            runs, plain_gated=True, tick=progress)
+        write_costs(costs, runs, out_dir / "costs.json")
+        result["costs"] = runs["runs"]
+    if rounds is not None:
+        fitted, notes = fit_policy(rounds, load_costs(out_dir / "costs.json"), min_length,
+                                   {"records": str(records), "costs": str(out_dir / "costs.json")})
+        policy = str(out_dir / "policy.json")
+        save_policy(fitted, policy)
+        result["policy_notes"] = notes
+        result["policy_gate"] = {str(b): on for b, on in fitted.gate.items()}
+        progress(f"fitted {policy}: rho = {fitted.rate:.5f} tokens/ms, gate {result['policy_gate']}")
+    result["policy"] = policy
+
+    for mode in modes:
+        r = run_mode(llm, selector, mode, k, policy, prompts, max_tokens, list(batch_sizes), steps, warmup)
+        result["modes"][mode] = r
+        (out_dir / "evaluate.json").write_text(json.dumps(result))
+        progress(mode_line(r, result["modes"].get("plain")))
+    selector.configure(fixed_length=k + 1)
+    (out_dir / "evaluate.json").write_text(json.dumps(result))
+    return result
+
+
+def identical_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    return sum(a == b for a, b in zip(outputs, reference))
+
+
+def mode_line(r: dict, plain: dict | None) -> str:
+    same = "-" if plain is None else f"{identical_prompts(r['outputs'], plain['outputs'])}/{len(r['outputs'])}"
+    acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
+    steps = "  ".join(f"B={b}: {s['mean_ms']:.2f} ms/step {s['tokens_per_step']:.2f} tok/step "
+                      f"{s['tokens_per_s']:.1f} tok/s" for b, s in r["steps"].items())
+    return (f"{r['mode']:<11} identical to plain {same:>6}  accept len {acc:>5}  gated steps {r['gated_steps']:>4}  "
+            f"lengths {r['rows_at_length']}  {steps}")
+
+
+def summary_markdown(result: dict) -> str:
+    """The modes as a table (one row per mode and batch size), for docs/benchmarks."""
+    plain = result["modes"].get("plain")
+    lines = ["| mode | identical to plain | acceptance length | B | ms/step | tokens/step | tokens/s | vs plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode, r in result["modes"].items():
+        same = "-" if plain is None else f"{identical_prompts(r['outputs'], plain['outputs'])}/{len(r['outputs'])}"
+        acc = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
+        for b, s in r["steps"].items():
+            ratio = "-" if plain is None else f"{s['tokens_per_s'] / plain['steps'][b]['tokens_per_s']:.2f}x"
+            lines.append(f"| {mode} | {same} | {acc} | {b} | {s['mean_ms']:.2f} | {s['tokens_per_step']:.2f} | "
+                         f"{s['tokens_per_s']:.1f} | {ratio} |")
+    return "\n".join(lines)
