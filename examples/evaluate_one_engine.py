@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-length", type=int, default=1, help="shortest length the policy may pick (1 or 2)")
+    ap.add_argument("--reference", help="continuations of a plain engine (hybridspec replay-record) to compare "
+                    "every mode's greedy output with")
     ap.add_argument("--out-dir", type=Path, required=True)
     args = ap.parse_args()
     if not args.random_prompts and not args.prompts:
@@ -58,7 +60,7 @@ def main() -> None:
     result = evaluate(args.target, spec, engine_args, load_prompts(args), args.out_dir, records=args.records,
                       policy=args.policy, lengths=args.lengths, batch_sizes=args.batch_sizes,
                       modes=[m for m in args.modes.split(",") if m], steps=args.steps, warmup=args.warmup,
-                      max_tokens=args.max_tokens, min_length=args.min_length,
+                      max_tokens=args.max_tokens, min_length=args.min_length, reference=args.reference,
                       progress=lambda line: print(line, flush=True))
     table = summary_markdown(result)
     (args.out_dir / "summary.md").write_text(table + "\n")

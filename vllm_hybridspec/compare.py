@@ -38,7 +38,9 @@ def spec_counters(llm) -> dict[str, float]:
 
 
 def load_prompts(args) -> list[dict]:
-    """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's ``prompt`` texts."""
+    """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's rows, each a
+    ``prompt`` text (tokenised with the target's tokenizer), a ``prompt`` list of token ids, or a
+    ``prompt_token_ids`` list (so a ``hybridspec replay-record`` continuations file serves as is)."""
     import torch
 
     if args.random_prompts:
@@ -46,10 +48,13 @@ def load_prompts(args) -> list[dict]:
         lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
         return [{"prompt_token_ids": torch.randint(0, args.vocab, (int(n),), generator=gen).tolist()}
                 for n in lengths]
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    ids = [r.get("prompt_token_ids", r.get("prompt")) for r in rows]
+    if all(isinstance(x, list) for x in ids):
+        return [{"prompt_token_ids": [int(t) for t in x]} for x in ids]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.num_prompts]
     return [{"prompt_token_ids": tokenizer(r["prompt"], add_special_tokens=False).input_ids} for r in rows]
 
 

@@ -17,9 +17,10 @@ selector is switched between the measurements (``LengthSelector.configure``):
    spec-decode counters over them, the lengths the selector chose, and decode steps at each batch
    size (ms per step, tokens per step, tokens/s).
 
-``plain`` here is vLLM's own decode path in the speculative engine, not a second engine without
-speculation: it is what the engine runs whenever the gate turns drafting off. Compare it with a
-separate plain engine (``examples/vllm_compare.py``) where the difference matters.
+``plain`` here is vLLM's own decode path in the speculative engine: what the engine runs whenever
+the gate turns drafting off. ``reference`` (a ``hybridspec replay-record`` continuations file, i.e.
+greedy decoding by a separate engine without speculation) adds each mode's identity with that
+engine's output.
 The command line is ``examples/evaluate_one_engine.py``.
 """
 
@@ -89,7 +90,7 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
 def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: list[dict], out_dir: Path,
              records: str | None = None, policy: str | None = None, lengths: list[int] | None = None,
              batch_sizes: list[int] = (1,), modes: list[str] = MODES, steps: int = 32, warmup: int = 4,
-             max_tokens: int = 64, min_length: int = 1, progress=print) -> dict:
+             max_tokens: int = 64, min_length: int = 1, reference: str | None = None, progress=print) -> dict:
     """Costs (when ``lengths``), the policy fit (when ``records``; else ``policy`` is used as given) and
     the ``modes``, all on one engine; writes ``costs.json`` (+ ``costs.runs.json``), ``policy.json`` and
     ``evaluate.json`` under ``out_dir`` and returns the last one's content."""
@@ -100,7 +101,7 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
     from vllm_hybridspec.policy.measure import engine_selector, measure_round_costs, write_costs
     from vllm_hybridspec.policy.policy_file import save_policy
     from vllm_hybridspec.policy.records import Rounds, load_records
-    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
+    from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
 
     k = int(speculative_config["num_speculative_tokens"])
     unknown = [m for m in modes if m not in MODES]
@@ -121,6 +122,7 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
                          "the evaluation sets the lengths itself")
     spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
     out_dir.mkdir(parents=True, exist_ok=True)
+    expected = plain_engine_outputs(reference, prompts, max_tokens) if reference is not None else None
     rounds = Rounds.from_records(load_records(records)) if records is not None else None
     if rounds is not None and rounds.draft_len != k:
         raise ValueError(f"records {records!r} hold drafts of {rounds.draft_len} tokens but "
@@ -156,12 +158,39 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
 
     for mode in modes:
         r = run_mode(llm, selector, mode, k, policy, prompts, max_tokens, list(batch_sizes), steps, warmup)
+        if expected is not None:
+            r["identical_to_plain_engine"] = identical_prompts(r["outputs"], expected)
         result["modes"][mode] = r
         (out_dir / "evaluate.json").write_text(json.dumps(result))
         progress(mode_line(r, result["modes"].get("plain")))
     selector.configure(fixed_length=k + 1)
+    drafter = in_process_drafter(llm)
+    if hasattr(drafter, "stats"):  # the replay proposer: rounds proposed, requests that left the recording
+        result["drafter_stats"] = drafter.stats()
     (out_dir / "evaluate.json").write_text(json.dumps(result))
     return result
+
+
+def plain_engine_outputs(path: str, prompts: list[dict], max_tokens: int) -> list[list[int]]:
+    """The first ``max_tokens`` tokens a plain engine produced for each prompt, from a continuations
+    file (``hybridspec replay-record``); ``ValueError`` when a prompt is not in it or too short."""
+    import numpy as np
+
+    from vllm_hybridspec.bench.replay import load_continuations
+
+    found = load_continuations(path)
+    outputs = []
+    for i, p in enumerate(prompts):
+        tokens = np.asarray(p["prompt_token_ids"], dtype=np.int64)
+        entry = found.find(tokens)
+        if entry is None or len(entry.prompt) != len(tokens):
+            raise ValueError(f"prompt {i} ({len(tokens)} tokens, starting {tokens[:8].tolist()}) is not in the "
+                             f"reference continuations '{path}'")
+        if len(entry.output) < max_tokens:
+            raise ValueError(f"the reference continuations '{path}' hold {len(entry.output)} tokens for prompt {i}; "
+                             f"--max-tokens is {max_tokens}")
+        outputs.append(entry.output[:max_tokens].tolist())
+    return outputs
 
 
 def identical_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
@@ -173,6 +202,8 @@ def mode_line(r: dict, plain: dict | None) -> str:
     acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
     steps = "  ".join(f"B={b}: {s['mean_ms']:.2f} ms/step {s['tokens_per_step']:.2f} tok/step "
                       f"{s['tokens_per_s']:.1f} tok/s" for b, s in r["steps"].items())
+    if "identical_to_plain_engine" in r:
+        same += f" (plain engine {r['identical_to_plain_engine']}/{len(r['outputs'])})"
     return (f"{r['mode']:<11} identical to plain {same:>6}  accept len {acc:>5}  gated steps {r['gated_steps']:>4}  "
             f"lengths {r['rows_at_length']}  {steps}")
 
@@ -180,10 +211,13 @@ def mode_line(r: dict, plain: dict | None) -> str:
 def summary_markdown(result: dict) -> str:
     """The modes as a table (one row per mode and batch size), for docs/benchmarks."""
     plain = result["modes"].get("plain")
-    lines = ["| mode | identical to plain | acceptance length | B | ms/step | tokens/step | tokens/s | vs plain |",
+    lines = ["| mode | identical to plain (same engine; plain engine) | acceptance length | B | ms/step | tokens/step "
+             "| tokens/s | vs plain |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, r in result["modes"].items():
         same = "-" if plain is None else f"{identical_prompts(r['outputs'], plain['outputs'])}/{len(r['outputs'])}"
+        if "identical_to_plain_engine" in r:
+            same += f"; {r['identical_to_plain_engine']}/{len(r['outputs'])}"
         acc = f"{r['mean_acceptance_length']:.3f}" if r["mean_acceptance_length"] else "-"
         for b, s in r["steps"].items():
             ratio = "-" if plain is None else f"{s['tokens_per_s'] / plain['steps'][b]['tokens_per_s']:.2f}x"

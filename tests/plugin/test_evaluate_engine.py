@@ -33,22 +33,33 @@ ENGINE = {"enforce_eager": True, "max_model_len": 512, "max_num_batched_tokens":
 LENGTHS, BATCHES, PROMPTS, STEPS, MAX_TOKENS = [1, 2, 4, 8], [1, 2], 6, 6, 24
 
 
+RECORDS = MODELS / "hybrid-hspec" / "records.jsonl.gz"
+
+
+def run_child(args: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=800, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    print(proc.stdout[-3000:])
+    return proc.stdout
+
+
+def evaluate_args(spec: dict, prompts: Path, out: Path, lengths=LENGTHS, modes=None) -> list[str]:
+    return ["examples/evaluate_one_engine.py", "--target", str(MODELS / "hybrid"), "--prompts", str(prompts),
+            "--num-prompts", str(PROMPTS), "--speculative-config", json.dumps(spec),
+            "--engine-args", json.dumps(ENGINE), "--records", str(RECORDS),
+            "--lengths", ",".join(map(str, lengths)), "--batch-sizes", ",".join(map(str, BATCHES)),
+            "--steps", str(STEPS), "--warmup", "3", "--max-tokens", str(MAX_TOKENS), "--out-dir", str(out),
+            *(["--modes", modes] if modes else [])]
+
+
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     out = tmp_path_factory.mktemp("evaluate")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "examples/evaluate_one_engine.py", "--target", str(MODELS / "hybrid"),
-         "--prompts", str(MODELS / "prompts" / "heldout.jsonl"), "--num-prompts", str(PROMPTS),
-         "--speculative-config", json.dumps(SPEC), "--engine-args", json.dumps(ENGINE),
-         "--records", str(MODELS / "hybrid-hspec" / "records.jsonl.gz"),
-         "--lengths", ",".join(map(str, LENGTHS)), "--batch-sizes", ",".join(map(str, BATCHES)),
-         "--steps", str(STEPS), "--warmup", "3", "--max-tokens", str(MAX_TOKENS), "--out-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=800, check=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    print(proc.stdout[-3000:])
-    return out, json.loads((out / "evaluate.json").read_text()), proc.stdout
+    stdout = run_child(evaluate_args(SPEC, MODELS / "prompts" / "heldout.jsonl", out))
+    return out, json.loads((out / "evaluate.json").read_text()), stdout
 
 
 def test_costs_and_policy_from_one_engine(evaluated):
@@ -108,3 +119,34 @@ def test_modes_verify_what_they_say(evaluated):
     assert max(all_lengths, key=all_lengths.get) == K + 1  # short rounds only where the budget ends
     sel_lengths = {int(w): n for w, n in modes["sel-nogate"]["rows_at_length"].items()}
     assert sum(n for w, n in sel_lengths.items() if w < K + 1) > 0
+
+
+def test_replayed_acceptance_against_a_separate_plain_engine(tmp_path):
+    """The 35B-shape recipe on the CPU: a plain engine records greedy continuations
+    (``hybridspec replay-record``), then one engine with the replay proposer (the drafter's recorded
+    acceptance) and the one-slot GDN layer evaluates. Every mode gives the plain engine's greedy output
+    on every prompt, no request leaves its recording, and verify-all accepts what the records say on
+    average (the replay corrupts each draft at a recorded rejection point)."""
+    import random
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [rng.randrange(8192) for _ in range(rng.randrange(24, 49))]})
+                               + "\n" for _ in range(PROMPTS)))
+    cont = tmp_path / "continuations.jsonl"
+    run_child(["-m", "vllm_hybridspec.cli", "replay-record", "--model", str(MODELS / "hybrid"), "--prompts",
+               str(prompts), "--output-len", "96", "--num-speculative-tokens", str(K), "--max-model-len", "512",
+               "-o", str(cont), "--engine-args", json.dumps({"skip_tokenizer_init": True, **ENGINE})])
+    spec = {"method": "replay_bench", "num_speculative_tokens": K, "hybridspec": {"gdn_kernel": True},
+            "replay_bench": {"records": str(RECORDS), "continuations": str(cont), "seed": 0}}
+    out = tmp_path / "evaluate"
+    run_child([*evaluate_args(spec, cont, out, lengths=[1, 4, 8], modes="plain,all,sel-nogate"),
+               "--reference", str(cont)])
+    result = json.loads((out / "evaluate.json").read_text())
+    for mode, r in result["modes"].items():
+        assert r["identical_to_plain_engine"] == PROMPTS, mode
+    stats = result["drafter_stats"]
+    assert stats["diverged_requests"] == 0 and stats["rounds"] > 0
+    acc = result["modes"]["all"]["mean_acceptance_length"]
+    assert 1.0 < acc < K + 1
+    assert abs(acc - (1 + stats["records_mean_accepted"])) < 0.6, (acc, stats)
