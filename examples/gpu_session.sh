@@ -4,8 +4,16 @@
 #   bash examples/gpu_session.sh extras     # installs .devextras/e00 (carried) + checks the plugin imports
 #   bash examples/gpu_session.sh ref        # reference hybrid (bf16): plain / H-Spec on vLLM's GDN path /
 #                                           # one-slot GDN / + length selection; identity, KV, step sweep
-#   bash examples/gpu_session.sh ref32      # the same in float32 (exact identity: no bf16 ties)
-#   bash examples/gpu_session.sh dense      # reference dense: plain / H-Spec / DFlash
+#   bash examples/gpu_session.sh ref32      # the same in float32 (exact identity: no bf16 ties), identity only,
+#                                           # + the reference dense with length selection (identity)
+#   bash examples/gpu_session.sh dense      # reference dense: plain / H-Spec / DFlash (eager)
+#   bash examples/gpu_session.sh dense-graphs  # the same with vLLM's default CUDA graphs (the drafter's too)
+#                                           # and H-Spec + length selection, step sweeps
+#   bash examples/gpu_session.sh record-35b, then eval-35b
+#                                           # 35B shape, replayed acceptance: continuations from a plain
+#                                           # engine, then costs, policy fit and plain / verify-all /
+#                                           # selected lengths in one engine (evaluate_one_engine.py)
+#   bash examples/gpu_session.sh vllm-35b   # same shape and replay on vLLM's own GDN spec path: step sweep
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
 #   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
@@ -50,13 +58,35 @@ extras)
 ref|ref32)
   DT=bfloat16; [ "$STAGE" = ref32 ] && DT=float32
   HH='"method": "hspec", "model": "models/hybrid-hspec"'
-  run hybrid python3 examples/vllm_compare.py --target models/hybrid "${COMMON[@]}" --dtype "$DT" \
+  ARGS=("${COMMON[@]}")
+  # float32 is for exact identity: no step sweeps (the bf16 run times the steps)
+  [ "$STAGE" = ref32 ] && ARGS=(--prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --bs1-prompts 0
+                                --enforce-eager --isolate --logprobs --gpu-mem 0.25)
+  run hybrid python3 examples/vllm_compare.py --target models/hybrid "${ARGS[@]}" --dtype "$DT" \
     --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
     --config plain=none \
     --config hspec="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
     --config hspec_gdn="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": true, \"fixed_length\": 8}}" \
     --config hspec_sel="{$HH, $H7, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
     --out "$R/compare-hybrid-$DT.json"
+  if [ "$STAGE" = ref32 ]; then
+    # the dense reference with length selection (the hybrid drafter's CPU policy only picks the lengths here;
+    # identity must hold for any policy), gate off so every step speculates
+    run dense-sel python3 examples/vllm_compare.py --target models/dense "${ARGS[@]}" --dtype float32 \
+      --config plain=none \
+      --config hspec_sel="{\"method\": \"hspec\", \"model\": \"models/dense-hspec\", $H7, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
+      --out "$R/compare-dense-sel-float32.json"
+  fi
+  ;;
+dense-graphs)
+  # the reference dense with vLLM's default CUDA graphs, the H-Spec drafter's own graphs included
+  run dense-graphs python3 examples/vllm_compare.py --target models/dense --prompts models/prompts/heldout.jsonl \
+    --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --isolate --logprobs --gpu-mem 0.25 \
+    --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 48 --sweep-warmup 8 \
+    --config plain=none \
+    --config hspec="{\"method\": \"hspec\", \"model\": \"models/dense-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
+    --config dflash="{\"method\": \"dflash\", \"model\": \"models/dense-dflash\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
+    --out "$R/compare-dense-graphs.json"
   ;;
 dense)
   run dense python3 examples/vllm_compare.py --target models/dense "${COMMON[@]}" \
@@ -121,14 +151,39 @@ calib-35b)
     --costs "$R/costs_35b.json" --out "$R/policy_35b.json" --min-length 1
   ;;
 record-35b)
-  # issue 7 (b): the greedy continuations the replay proposer drafts from (one engine start); token-id
-  # prompts, since the 35B-shape directory has no tokenizer (the servers run --skip-tokenizer-init)
+  # issues 6 and 7 (b): the greedy continuations the replay proposer drafts from, by a plain engine (eager:
+  # a shorter start; eval-35b checks its outputs against them); token-id prompts, since the 35B-shape
+  # directory has no tokenizer (the servers run --skip-tokenizer-init)
   [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
-  python3 -c "import json, random; r = random.Random(0); print(''.join(json.dumps({'prompt': [r.randrange(248000) for _ in range(r.randrange(64, 129))]}) + '\n' for _ in range(32)), end='')" > /tmp/prompts_35b.jsonl
+  python3 -c "import json, random; r = random.Random(0); print(''.join(json.dumps({'prompt': [r.randrange(248000) for _ in range(r.randrange(64, 129))]}) + '\n' for _ in range(${NPROMPTS:-32})), end='')" > /tmp/prompts_35b.jsonl
   run record python3 -m vllm_hybridspec.cli replay-record --model /tmp/full-shape/target --load-format dummy \
-    --prompts /tmp/prompts_35b.jsonl --output-len 128 --num-speculative-tokens 7 --max-model-len 2048 -o /tmp/cont_35b.jsonl \
-    --engine-args '{"skip_tokenizer_init": true, "mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+    --prompts /tmp/prompts_35b.jsonl --output-len "${OUTLEN:-128}" --num-speculative-tokens 7 --max-model-len 2048 -o /tmp/cont_35b.jsonl \
+    --engine-args "{\"skip_tokenizer_init\": true, \"enforce_eager\": ${EAGER:-false}, \"mamba_ssm_cache_dtype\": \"float32\", \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}}"
   cp /tmp/prompts_35b.jsonl /tmp/cont_35b.jsonl "$R/" 2>/dev/null
+  ;;
+eval-35b|vllm-35b)
+  # after record-35b: the 35B shape with the replay proposer (acceptance as the reference hybrid drafter's
+  # recorded rounds, which the policy is fitted to as well). eval-35b: one engine with the one-slot GDN
+  # layer for costs, policy and plain / verify-all / selected lengths (evaluate_one_engine.py); vllm-35b: vLLM's
+  # own GDN spec path (a state slot per draft token), default graphs, step sweep at fixed lengths
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
+  REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"/tmp/cont_35b.jsonl\", \"seed\": 0}"
+  if [ "$STAGE" = eval-35b ]; then
+    run eval python3 examples/evaluate_one_engine.py --target /tmp/full-shape/target --prompts /tmp/cont_35b.jsonl \
+      --num-prompts 8 --speculative-config "{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}" \
+      --engine-args "{\"load_format\": \"dummy\", \"max_model_len\": 2048, \"gpu_memory_utilization\": 0.9, \"mamba_ssm_cache_dtype\": \"float32\", \"additional_config\": {\"gdn_prefill_backend\": \"triton\"}, \"compilation_config\": {$SIZES}}" \
+      --records models/hybrid-hspec/records.jsonl.gz --lengths 1,2,3,4,6,8 --batch-sizes 1,4 --steps 40 --warmup 6 \
+      --max-tokens 64 --reference /tmp/cont_35b.jsonl --out-dir "$R/eval-35b"
+  else
+    run vllm-gdn python3 examples/vllm_compare.py --target /tmp/full-shape/target --load-format dummy \
+      --prompts /tmp/cont_35b.jsonl --num-prompts 8 --max-tokens 64 --bs1-prompts 0 --max-model-len 2048 --max-num-seqs 8 \
+      --gpu-mem 0.9 --sweep-lengths 1,2,4,8 --sweep-batches 1,4 --sweep-steps 40 --sweep-warmup 6 \
+      --additional-config '{"gdn_prefill_backend": "triton"}' \
+      --llm-kwargs "{\"mamba_ssm_cache_dtype\": \"float32\", \"compilation_config\": {$SIZES}}" \
+      --config replay_vllm_gdn="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
+      --out "$R/compare-35b-vllm-gdn.json"
+  fi
   ;;
 bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   # issue 7 (b): closed loop at C = 1, 4 against `vllm serve` of the 35B shape (dummy weights), replayed
