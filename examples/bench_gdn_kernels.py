@@ -13,7 +13,9 @@ captured as one CUDA graph of a whole round and timed as the median of >= 30 sam
 
 In the same run: device-to-device copy bandwidth, and each variant's time against the bandwidth
 floor of a verifier that must read ``S_0`` once and write ``S_m`` once (verify: read; commit: read
-+ write).  Before timing, our outputs and committed states are checked against vLLM's kernel and
++ write); and the launch floor: 31 launches of a kernel that stores one float (one verify per layer
+and one commit, in one CUDA graph), what any design with a kernel per layer pays however little each
+kernel does.  Before timing, our outputs and committed states are checked against vLLM's kernel and
 a float64 torch reference (fp32 and bf16 inputs).
 
     python examples/bench_gdn_kernels.py --out docs/benchmarks/gdn_kernels.md --json out.json
@@ -31,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from vllm_hybridspec.kernels.gdn import (
     StatePointers,
@@ -90,6 +94,24 @@ def copy_bandwidth(samples: int) -> float:
     dst = torch.empty_like(src)
     ms, _ = median_time_ms(lambda: dst.copy_(src), samples, replays=5)
     return 2 * n / (ms * 1e-3)
+
+
+@triton.jit
+def _store_one(ptr):
+    tl.store(ptr + tl.program_id(0), 1.0)
+
+
+def launch_floor_ms(launches: int, samples: int) -> float:
+    """Median replay time of one CUDA graph of ``launches`` dependent launches of a Triton kernel that
+    stores one float."""
+    buf = torch.zeros(1, device="cuda")
+
+    def chain():
+        for _ in range(launches):
+            _store_one[(1,)](buf)
+
+    chain()
+    return median_time_ms(graph_of(chain), samples)[0]
 
 
 class Round:
@@ -336,6 +358,8 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name()
     bw = copy_bandwidth(args.samples)
     log(f"device: {dev}; copy bandwidth (read + write) {bw / 1e12:.2f} TB/s")
+    launch_ms = launch_floor_ms(LAYERS + 1, args.samples)
+    log(f"launch floor: {LAYERS + 1} one-store kernels in one graph {launch_ms:.4f} ms")
     if args.no_tune:
         vcfg, ccfg, tune_rows = dict(), dict(), []
     else:
@@ -396,6 +420,7 @@ def main(argv=None) -> int:
                            floor_commit=floor_commit)
                 row["speedup_vs_vllm"] = row["vllm"] / row["ours"]
                 row["x_floor"] = row["ours"] / row["floor"]
+                row["launch_floor"] = launch_ms
                 results.append(row)
                 log(f"w={w:2d} B={B} m={m:2d}: ours {row['ours']:.4f} ms (verify {row['ours_verify']:.4f}"
                     f" + commit {row['ours_commit']:.4f}), vLLM {row['vllm']:.4f} "
@@ -404,7 +429,8 @@ def main(argv=None) -> int:
                     f"{row['floor']:.4f} ({row['x_floor']:.2f}x floor)")
                 del ours
             torch.cuda.empty_cache()
-    meta = dict(device=dev, copy_bandwidth_TBps=bw / 1e12, verify_config=vcfg, commit_config=ccfg,
+    meta = dict(device=dev, copy_bandwidth_TBps=bw / 1e12, launch_floor_ms=launch_ms, verify_config=vcfg,
+                commit_config=ccfg,
                 layers=LAYERS, HK=HK, HV=HV, K=K, V=V, samples=args.samples,
                 torch=torch.__version__, seconds=time.time() - t0, command=" ".join(sys.argv))
     if args.json:
@@ -434,7 +460,10 @@ def render_markdown(meta, accuracy, results) -> str:
         f"whole round of all {meta['layers']} layers, each variant captured as one CUDA graph, median of "
         f"{meta['samples']} samples of 10 replays.  Copy bandwidth measured in the same run: "
         f"{meta['copy_bandwidth_TBps']:.2f} TB/s (read + write).  The floor is the time to read S0 once "
-        "(verify) plus read S0 and write S_m once (commit) at that bandwidth.",
+        "(verify) plus read S0 and write S_m once (commit) at that bandwidth."
+        + (f"  Launch floor, same run: {meta['layers'] + 1} launches of a kernel that stores one float, in one "
+           f"CUDA graph, take {meta['launch_floor_ms']:.4f} ms (one verify per layer and one commit cost at "
+           "least that much, however little each kernel does)." if "launch_floor_ms" in meta else ""),
         "",
         "- ours: `gdn_verify` per layer (all w tokens in parallel, no per-token state) + one `gdn_commit` "
         "for all layers, with the default `precision=\"auto\"` (tf32 products for these bf16 inputs); "
