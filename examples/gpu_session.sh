@@ -14,6 +14,8 @@
 #                                           # engine, then costs, policy fit and plain / verify-all /
 #                                           # selected lengths in one engine (evaluate_one_engine.py)
 #   bash examples/gpu_session.sh vllm-35b   # same shape and replay on vLLM's own GDN spec path: step sweep
+#   bash examples/gpu_session.sh tp2-35b    # two-GPU machine (nvidia-h200-x2): greedy identity at TP = 2, 35B
+#                                           # shape, H-Spec + one-slot GDN + selection against plain TP = 2
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
 #   bash examples/gpu_session.sh big2       # same shape: H-Spec on vLLM's GDN path, DFlash
 #   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
@@ -185,12 +187,28 @@ eval-35b|vllm-35b)
       --out "$R/compare-35b-vllm-gdn.json"
   fi
   ;;
+tp2-35b)
+  # issue 6: greedy identity at tensor parallel size 2 (needs two GPUs). The GDN heads are sharded, the
+  # verify and commit run on each rank's shard, the replicated drafter all-gathers the KV heads, and the
+  # selected lengths are broadcast from rank 0. Policy: the 35B one of 2026-12-01, gate off so every step
+  # speculates. The proposer lives in the worker processes, so there is no step sweep.
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
+  SIZES='"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]'
+  HS="\"method\": \"hspec\", \"model\": \"/tmp/full-shape/hspec\", $H7"
+  run tp2 python3 examples/vllm_compare.py --target /tmp/full-shape/target --load-format dummy --random-prompts \
+    --vocab 248000 --prompt-len 128 --num-prompts 8 --max-tokens 64 --bs1-prompts 0 --max-model-len 2048 \
+    --max-num-seqs 8 --gpu-mem 0.9 --logprobs --isolate --additional-config '{"gdn_prefill_backend": "triton"}' \
+    --llm-kwargs "{\"mamba_ssm_cache_dtype\": \"float32\", \"tensor_parallel_size\": 2, \"distributed_executor_backend\": \"mp\", \"compilation_config\": {$SIZES}}" \
+    --config plain=none \
+    --config hspec_sel="{$HS, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"docs/benchmarks/h200-2026-12-01/eval-35b/policy.json\", \"gate\": false}}" \
+    --out "$R/compare-35b-tp2.json"
+  ;;
 bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   # issue 7 (b): closed loop at C = 1, 4 against `vllm serve` of the 35B shape (dummy weights), replayed
-  # acceptance (replay_bench: the reference drafter's round records); after record-35b (and calib-35b
-  # for -sel: POLICY=<policy file>, default the calib-35b output on this machine)
+  # acceptance (replay_bench: the reference drafter's round records); after record-35b (-sel: POLICY=<policy
+  # file>, default the 35B policy fitted by eval-35b on 2026-12-01)
   CFG="${STAGE#bench-35b-}"
-  POLICY="${POLICY:-/tmp/hs-results/calib-35b/policy_35b.json}"
+  POLICY="${POLICY:-docs/benchmarks/h200-2026-12-01/eval-35b/policy.json}"
   REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"/tmp/cont_35b.jsonl\", \"seed\": 0}"
   SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs 8 --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}'"
   case "$CFG" in

@@ -126,11 +126,18 @@ def run_config(name: str, spec, args, prompts) -> dict:
     }
     if gaps is not None:
         result["top2_gaps"] = gaps
-    selector = getattr(in_process_drafter(llm), "length_selector", None) if spec is not None else None
+    selector = None
+    if spec is not None:
+        try:
+            selector = getattr(in_process_drafter(llm), "length_selector", None)
+        except RuntimeError:  # workers in their own processes (tensor parallelism): no selector stats
+            selector = None
     if selector is not None:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
     sweep = getattr(args, "sweep_lengths", None)
-    if sweep:
+    if sweep and spec is not None and selector is None:
+        result["round_ms"] = {"skipped": "the proposer is not in this process (tensor parallelism)"}
+    elif sweep:
         result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps,
                                                getattr(args, "sweep_warmup", 4))
     del llm

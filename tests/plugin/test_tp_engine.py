@@ -57,3 +57,34 @@ def test_hspec_one_slot_gdn_and_selection_at_tp2_equal_plain_decoding():
     assert accepted / drafts > 0.2  # multi-token commits on both ranks' GDN shards
     assert draft_tokens < 7 * drafts  # the policy verified shorter prefixes than the full drafts
     assert got["kv_tokens"] == plain["kv_tokens"]  # no per-draft-token state slots, no drafter KV
+
+
+def test_compare_command_runs_tensor_parallel_configs(tmp_path):
+    """``examples/vllm_compare.py`` with ``tensor_parallel_size`` 2 (what ``gpu_session.sh tp2-35b`` runs on
+    a two-GPU machine): the engine core stays in the process and the workers do not, so there are no
+    selector statistics and no step sweep, but identity and KV capacity are reported; H-Spec + one-slot
+    GDN + selection gives plain TP = 2 decoding's greedy output."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in heldout_prompts("hybrid", n=6, max_len=32)))
+    spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7,
+            "hybridspec": {"gdn_kernel": True, "policy": str(MODELS / "hybrid-hspec" / "policy_cpu.json"),
+                           "gate": False}}
+    out = tmp_path / "compare.json"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 else "0|0",
+           "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "examples/vllm_compare.py", "--target", str(MODELS / "hybrid"), "--prompts", str(prompts),
+         "--num-prompts", "6", "--max-tokens", str(MAX_TOKENS), "--bs1-prompts", "0", "--enforce-eager", "--isolate",
+         "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--sweep-lengths", "1,8",
+         "--llm-kwargs", json.dumps({"mamba_ssm_cache_dtype": "float32", "tensor_parallel_size": 2,
+                                     "distributed_executor_backend": "mp", "max_num_batched_tokens": 1024}),
+         "--config", "plain=none", "--config", f"hspec_sel={json.dumps(spec)}", "--out", str(out)],
+        cwd=MODELS.parent, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    plain, sel = json.loads(out.read_text())["results"]
+    assert "error" not in plain and "error" not in sel, (plain.get("error"), sel.get("error"))
+    assert sel["outputs"] == plain["outputs"]
+    assert sel["kv_capacity_tokens"] == plain["kv_capacity_tokens"] > 0
+    assert sel["spec_counters"]["num_accepted_tokens"] > 0
+    assert "selector" not in sel and "skipped" in sel["round_ms"]
+    assert "B1_wplain" in plain["round_ms"]  # plain decoding's sweep needs no proposer
