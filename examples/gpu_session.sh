@@ -14,6 +14,8 @@
 #                                           # engine, then costs, policy fit and plain / verify-all /
 #                                           # selected lengths in one engine (evaluate_one_engine.py)
 #   bash examples/gpu_session.sh vllm-35b   # same shape and replay on vLLM's own GDN spec path: step sweep
+#   bash examples/gpu_session.sh gdn-graphs # reference hybrid, default graphs: the one-slot verification from
+#                                           # CUDA graphs against the same engine without them
 #   bash examples/gpu_session.sh tp2-35b    # two-GPU machine (nvidia-h200-x2): greedy identity at TP = 2, 35B
 #                                           # shape, H-Spec + one-slot GDN + selection against plain TP = 2
 #   bash examples/gpu_session.sh big1       # Qwen3.6-35B-A3B shape, dummy weights: plain, H-Spec + one-slot GDN
@@ -186,6 +188,14 @@ eval-35b|vllm-35b)
       --config replay_vllm_gdn="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": false, \"fixed_length\": 8}}" \
       --out "$R/compare-35b-vllm-gdn.json"
   fi
+  ;;
+gdn-graphs)
+  run gdn-graphs python3 examples/check_gdn_graphs.py --target models/hybrid --prompts models/prompts/heldout.jsonl \
+    --num-prompts 16 --max-tokens 64 --steps 40 --warmup 6 \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
+    --engine-args '{"mamba_ssm_cache_dtype": "float32", "max_model_len": 1024, "gpu_memory_utilization": 0.3, "additional_config": {"gdn_prefill_backend": "triton"}}' \
+    --out "$R/gdn_graphs.json"
+  grep -E "^(graphs|eager)" "$R/gdn-graphs.log"
   ;;
 tp2-35b)
   # issue 6: greedy identity at tensor parallel size 2 (needs two GPUs). The GDN heads are sharded, the

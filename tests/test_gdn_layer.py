@@ -424,3 +424,71 @@ def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed(
     assert layer.verified_round is None
     moved = (layer.kv_cache[1] != pool).flatten(1).any(1)
     assert moved.tolist() == [s in (4, 6) for s in range(num_slots)]
+
+
+@pytest.mark.parametrize("lengths, rows, slots, commit, batch", [
+    ([3, 1, 5, 4], [0, 2, 3, 4], [7, 2, 5, 0], [2, 1, 5, 3], 5),  # 4 sequences: the bucket of 4, no padding
+    ([4, 2, 6], [1, 2, 4], [3, 8, 6], [4, 1, 2], 6),  # 3 sequences padded to 4
+    ([2], [0], [4], [2], 1),
+])
+def test_padded_graph_round_equals_the_eager_round(lengths, rows, slots, commit, batch):
+    """``gdn_graphs.SpecCoreGraphs`` with ``capture=False``: the padded round (sequences to the next
+    bucket with length 0 and slot 0, tokens to ``Ns_pad * U``, the kernel specialised for ``U = K + 1``,
+    static buffers) gives the eager round's outputs, and the commit from its static buffers the eager
+    commit's states and conv windows. Fresh random inputs; the static buffers hold an earlier round's
+    values beforehand (what a graph's buffers hold between rounds)."""
+    from vllm_hybridspec.gdn_graphs import SpecCoreGraphs
+    from vllm_hybridspec.gdn_layer import _commit_convs_gpu, _commit_states_gpu
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, width, num_slots, U = 2, 4, 16, 32, 4, 9, 8
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+    md = spec_metadata(lengths, rows, slots, batch)
+    T = sum(lengths)
+    num_committed = torch.zeros(batch, dtype=torch.long)
+    num_committed[rows] = torch.tensor(commit)
+
+    def one_round(graphs):
+        x = torch.randn(T, layer.conv1d.weight.shape[0], generator=torch.Generator().manual_seed(seed))
+        b, a = (torch.randn(T, HV, generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
+        layer.spec_graphs = graphs
+        layer.kv_cache = (conv.clone(), S.clone())
+        o = layer._verify_gpu(md, x, b, a)
+        _commit_states_gpu([layer], num_committed)
+        _commit_convs_gpu([layer], num_committed)
+        return o, layer.kv_cache, layer.verified_round
+
+    graphs = SpecCoreGraphs(layer, U, batch_sizes=(1, 2, 4, 8), capture=False)
+    seed = int(torch.randint(0, 2**30, (1,), generator=gen))
+    seed += 7  # an earlier round through the graphed path leaves its values in the static buffers
+    one_round(graphs)
+    seed -= 7
+    o_eager, (conv_eager, ssm_eager), _ = one_round(None)
+    o_graph, (conv_graph, ssm_graph), done = one_round(graphs)
+    assert done.x.data_ptr() == graphs.static.x.data_ptr()  # the commit read the static buffers
+    assert graphs.captures == 0 and graphs.replays == 0
+    for i, slot in enumerate(slots):
+        if slot > 0:
+            cu = md.spec_query_start_loc.tolist()
+            assert rel_err(o_graph[cu[i]:cu[i + 1]], o_eager[cu[i]:cu[i + 1]]) < 1e-6, i
+    assert rel_err(ssm_graph, ssm_eager) < 1e-6
+    assert torch.equal(conv_graph, conv_eager)
+    assert rel_err(ssm_graph, S) > 1e-3  # the round committed something
+
+
+def test_graph_rounds_fall_back_to_eager_past_the_largest_bucket_or_longer_rounds():
+    """More spec sequences than the largest bucket, or a round longer than the graphs' ``U``: the layer
+    runs its eager path (``run`` returns None)."""
+    from vllm_hybridspec.gdn_graphs import SpecCoreGraphs
+    from vllm_hybridspec.gdn_layer import SpecLayout
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    layer, conv = bare_layer(gen, 2, 4, 16, 32, 4, 12)
+    graphs = SpecCoreGraphs(layer, 4, batch_sizes=(1, 2), capture=False)
+    three = SpecLayout.read(spec_metadata([2, 2, 2], [0, 1, 2], [1, 2, 3], 3))
+    x, b = torch.randn(6, layer.conv1d.weight.shape[0], generator=gen), torch.randn(6, 4, generator=gen)
+    assert graphs.run(three, x, b, b) is None
+    long_round = SpecLayout.read(spec_metadata([5], [0], [1], 1))
+    assert graphs.run(long_round, x[:5], b[:5], b[:5]) is None
+    assert graphs.static is None  # nothing allocated for rounds it does not take

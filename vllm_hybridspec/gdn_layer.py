@@ -144,6 +144,12 @@ def _unmet_requirement(vllm_config) -> str | None:
     return None
 
 
+def one_slot_layers(runner) -> list:
+    """The model's GDN layers that run with one state slot per request."""
+    context = runner.compilation_config.static_forward_context
+    return [layer for layer in context.values() if isinstance(layer, HSpecQwenGDN) and layer.one_slot]
+
+
 def runner_has_one_slot_layers(runner) -> bool:
     """For ``vllm_internals.patch_plain_decode_full_graphs``: whether the runner's model has one-slot
     GDN layers (then full CUDA graphs may hold plain decode steps only)."""
@@ -260,9 +266,14 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
             self.chunk_gated_delta_rule = TorchChunkGatedDeltaRule()
             self.gdn_prefill_backend = TorchChunkGatedDeltaRule.gdn_prefill_backend
+        self.spec_graphs = None  # gdn_graphs.SpecCoreGraphs: the verification replayed from CUDA graphs
         if self.one_slot:
             # get_state_shape reads it: the conv window of plain decoding
             self.num_spec = 0
+            from vllm_hybridspec.gdn_graphs import SpecCoreGraphs, gdn_graphs_enabled
+
+            if gdn_graphs_enabled(vllm_config, "cuda" if _on_cuda() else "cpu"):
+                self.spec_graphs = SpecCoreGraphs(self, vllm_config.speculative_config.num_speculative_tokens + 1)
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -409,14 +420,25 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         (fused multiply-adds; bf16 products for bf16 weights), so spec-step and plain-decode conv outputs
         agree to rounding, not bit for bit (as the per-sequence torch conv before it). Nothing is
         written to the pool."""
+        conv = vllm_cpu_gdn_paths().conv_view(self)  # [slots, conv_dim, W]
+        W = conv.shape[-1]
+        idx = layout.conv_index.get(W)
+        if idx is None:
+            idx = layout.conv_index[W] = spec_conv_index(layout.cu_dev, len(layout.slots), x.shape[0], W)
+        return self._conv_from_windows(layout.slots_dev, idx, x)
+
+    def _spec_conv_rows(self, slots: torch.Tensor, cu: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_spec_conv_gpu` from device tensors alone (``slots`` ``[Ns]``, ``cu`` ``[Ns + 1]``), the
+        gather indices built on the device each call: what a CUDA graph of the verification captures."""
+        W = vllm_cpu_gdn_paths().conv_view(self).shape[-1]
+        return self._conv_from_windows(slots, spec_conv_index(cu, slots.shape[0], x.shape[0], W), x)
+
+    def _conv_from_windows(self, slots: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         cpu = vllm_cpu_gdn_paths()
         conv = cpu.conv_view(self)  # [slots, conv_dim, W]
         weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
-        W, ns, T = conv.shape[-1], len(layout.slots), x.shape[0]
-        idx = layout.conv_index.get(W)
-        if idx is None:
-            idx = layout.conv_index[W] = spec_conv_index(layout.cu_dev, ns, T, W)  # [K_conv, T]
-        windows = conv.index_select(0, layout.slots_dev.long()).transpose(1, 2).reshape(ns * W, -1)
+        W, ns, T = conv.shape[-1], slots.shape[0], x.shape[0]
+        windows = conv.index_select(0, slots.long()).transpose(1, 2).reshape(ns * W, -1)
         src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [Ns * W + T, conv_dim]
         taps = src.index_select(0, idx.reshape(-1)).view(W + 1, T, -1).float()  # [K_conv, T, conv_dim]
         taps_w, bias = self._conv_taps_fp32(weight)
@@ -465,6 +487,13 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         from vllm_hybridspec.kernels.gdn import gdn_verify
 
         layout = _step_layout(md)
+        graphs = getattr(self, "spec_graphs", None)
+        if graphs is not None:
+            replayed = graphs.run(layout, x, b, a)
+            if replayed is not None:
+                o, factors, x_kept = replayed  # static buffers, valid until this layer's next forward
+                self.verified_round = VerifiedRound(layout, x_kept, factors)
+                return o.to(x.dtype)
         conv_out = self._spec_conv_gpu(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         o, factors = gdn_verify(q, k, v, g=a, beta=b, A_log=self.A_log, dt_bias=self.dt_bias,
@@ -504,7 +533,9 @@ def spec_conv_index(cu_dev: torch.Tensor, ns: int, T: int, W: int) -> torch.Tens
     device = cu_dev.device
     t = torch.arange(T, device=device)
     cu = cu_dev.long()
-    seq = torch.searchsorted(cu[1:], t, right=True)  # [T] the token's sequence
+    # [T] the token's sequence; tokens past the last one's end (padding of a graphed round) count as
+    # the last sequence's, so their (unused) indices stay inside the source
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=ns - 1)
     r = t - cu[seq]
     j = torch.arange(W + 1, device=device)[:, None]
     return torch.where(r + j < W, seq * W + r + j, ns * W + t + j - W)

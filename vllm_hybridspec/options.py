@@ -40,6 +40,8 @@ class HybridSpecOptions(BaseModel):
                                      "(anchor + drafts) per request; for `calibrate costs`")
     drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
+    gdn_cudagraphs: bool = Field(default=True, description="replay the one-slot GDN layers' verification from CUDA "
+                                 "graphs (GPU, unless enforce_eager); false runs it eagerly")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
 
     @model_validator(mode="after")
