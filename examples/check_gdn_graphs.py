@@ -7,7 +7,7 @@ graphs' captures and replays, and decode-step times at each batch size.
 
     python examples/check_gdn_graphs.py --target models/hybrid --prompts models/prompts/heldout.jsonl \\
         --speculative-config '{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7,
-                               "hybridspec": {"fixed_length": 8}}' \\
+                               "hybridspec": {"fixed_length": 8, "gdn_cudagraphs": true}}' \\
         --engine-args '{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}' \\
         --out gdn_graphs.json
 """

@@ -192,7 +192,7 @@ eval-35b|vllm-35b)
 gdn-graphs)
   run gdn-graphs python3 examples/check_gdn_graphs.py --target models/hybrid --prompts models/prompts/heldout.jsonl \
     --num-prompts 16 --max-tokens 64 --steps 40 --warmup 6 \
-    --speculative-config "{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8}}" \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"fixed_length\": 8, \"gdn_cudagraphs\": true}}" \
     --engine-args '{"mamba_ssm_cache_dtype": "float32", "max_model_len": 1024, "gpu_memory_utilization": 0.3, "additional_config": {"gdn_prefill_backend": "triton"}}' \
     --out "$R/gdn_graphs.json"
   grep -E "^(graphs|eager)" "$R/gdn-graphs.log"

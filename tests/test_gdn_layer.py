@@ -492,3 +492,18 @@ def test_graph_rounds_fall_back_to_eager_past_the_largest_bucket_or_longer_round
     long_round = SpecLayout.read(spec_metadata([5], [0], [1], 1))
     assert graphs.run(long_round, x[:5], b[:5], b[:5]) is None
     assert graphs.static is None  # nothing allocated for rounds it does not take
+
+
+def test_graphs_of_the_verification_are_opt_in_on_cuda_and_off_when_eager():
+    """``gdn_graphs_enabled``: off without ``"gdn_cudagraphs": true`` (not yet checked on a GPU), off on
+    the CPU, off with ``enforce_eager`` or ``cudagraph_mode`` NONE; on otherwise."""
+    from vllm_hybridspec.gdn_graphs import gdn_graphs_enabled
+
+    on = {"gdn_cudagraphs": True}
+    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE"), "cuda")
+    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options={}), "cuda")
+    assert gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=on), "cuda")
+    assert gdn_graphs_enabled(vllm_config(eager=False, graphs="PIECEWISE", options=on), "cuda")
+    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=on), "cpu")
+    assert not gdn_graphs_enabled(vllm_config(eager=True, options=on), "cuda")
+    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="NONE", options=on), "cuda")

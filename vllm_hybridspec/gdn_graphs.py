@@ -22,6 +22,10 @@ Per layer that is ``Ns_max * U * (4 (HV V + HK K + HV) + 2 conv_dim + 2 HV V)`` 
 12 MB at the 35B shape with ``Ns_max = 32``, ``U = 8``. vLLM's memory profiling does not see it.
 Larger batches run eagerly.
 
+Opt-in (``"hybridspec": {"gdn_cudagraphs": true}``) until ``examples/gpu_session.sh gdn-graphs`` has
+checked on a GPU that the replayed rounds give the eager rounds' outputs. Its first attempt, on
+2026-12-01, ran out of device time during the engine start.
+
 Graphs are captured lazily, one per ``Ns_pad``. The first round of each size runs eagerly on the
 static buffers, which compiles the kernels; the capture follows it. All layers' graphs share one
 memory pool. A failed capture makes that size eager from then on, with a warning.
@@ -41,12 +45,14 @@ _POOL: list = []  # one graph memory pool for every layer's graphs (replayed one
 
 
 def gdn_graphs_enabled(vllm_config, device) -> bool:
-    """Graphs for the one-slot verification: on a CUDA device, unless the engine runs eagerly
-    (``enforce_eager``, ``cudagraph_mode`` NONE) or ``"hybridspec": {"gdn_cudagraphs": false}``."""
+    """Graphs for the one-slot verification: with ``"hybridspec": {"gdn_cudagraphs": true}``, on a CUDA
+    device, unless the engine runs eagerly (``enforce_eager``, ``cudagraph_mode`` NONE). Opt-in: the
+    padding is tested on the CPU, but no GPU run has checked the captured graphs yet
+    (``examples/gpu_session.sh gdn-graphs`` is that check)."""
     from vllm_hybridspec.options import hybridspec_options
 
     options = hybridspec_options(vllm_config)
-    if options is not None and not options.gdn_cudagraphs:
+    if options is None or not options.gdn_cudagraphs:
         return False
     if torch.device(device).type != "cuda" or vllm_config.model_config.enforce_eager:
         return False

@@ -40,8 +40,9 @@ class HybridSpecOptions(BaseModel):
                                      "(anchor + drafts) per request; for `calibrate costs`")
     drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
-    gdn_cudagraphs: bool = Field(default=True, description="replay the one-slot GDN layers' verification from CUDA "
-                                 "graphs (GPU, unless enforce_eager); false runs it eagerly")
+    gdn_cudagraphs: bool = Field(default=False, description="replay the one-slot GDN layers' verification from "
+                                 "CUDA graphs (GPU, unless enforce_eager); opt-in until examples/gpu_session.sh "
+                                 "gdn-graphs has passed on a GPU")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
 
     @model_validator(mode="after")
