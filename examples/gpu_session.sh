@@ -229,7 +229,7 @@ bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   esac
   cmd="$SERVE"; [ -n "$SPEC" ] && cmd="$cmd --speculative-config '$SPEC'"
   run "bench-$CFG" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts /tmp/prompts_35b.jsonl \
-    --concurrency 1,4 --num-requests 16 --output-len 128 --label "35b-$CFG" --no-progress -o "$R/35b-$CFG.json"
+    --concurrency 1,4 --num-requests 16 --output-len 128 --label "35b-$CFG" --repeats "${REPEATS:-3}" --no-progress -o "$R/35b-$CFG.json"
   ;;
 bench-dense|bench-hybrid)
   KIND="${STAGE#bench-}"
@@ -247,7 +247,7 @@ bench-dense|bench-hybrid)
     [ -n "${SPEC[$cfg]+x}" ] || continue
     cmd="$SERVE"; [ -n "${SPEC[$cfg]}" ] && cmd="$cmd --speculative-config '${SPEC[$cfg]}'"
     run "bench-$cfg" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts models/prompts/heldout.jsonl \
-      --concurrency 1,4,16,64 --output-len 128 --label "$cfg" --no-progress -o "$R/$cfg.json"
+      --concurrency 1,4,16,64 --output-len 128 --label "$cfg" --repeats "${REPEATS:-3}" --no-progress -o "$R/$cfg.json"
   done
   python3 -m vllm_hybridspec.cli report "$R"/*.json --out-dir "$R/report" > "$R/report.log" 2>&1; tail -20 "$R/report/report.md"
   ;;

@@ -23,8 +23,8 @@ HYBRIDSPEC = [sys.executable, "-m", "vllm_hybridspec.cli"]
 
 @pytest.mark.timeout(600)
 def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_path):
-    """C = 1 and 4, 8 measured requests of 48 tokens each, against a server the tool starts (with n-gram
-    speculation, so the acceptance length is measured); then the report's table and plots."""
+    """C = 1 and 4, two measured runs of 8 requests of 48 tokens each, against a server the tool starts
+    (with n-gram speculation, so the acceptance length is measured); then the report's table and plots."""
     port = free_port()
     serve = shlex.join(serve_command(tiny_target, port, "--speculative-config",
                                      '{"method": "ngram", "num_speculative_tokens": 3, '
@@ -33,7 +33,7 @@ def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_pa
     start = time.monotonic()
     run = subprocess.run([*HYBRIDSPEC, "bench", "--serve", serve, "--prompts", str(token_prompts),
                           "--concurrency", "1,4", "--num-requests", "8", "--warmup", "2", "--output-len", "48",
-                          "--metrics-interval", "0.05", "-o", str(out)],
+                          "--repeats", "2", "--metrics-interval", "0.05", "-o", str(out)],
                          env=server_env(), capture_output=True, text=True, timeout=540, check=False)
     print(run.stdout, run.stderr[-3000:], f"bench took {time.monotonic() - start:.0f} s", sep="\n")
     assert run.returncode == 0
@@ -41,10 +41,13 @@ def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_pa
     assert doc["status"] == "ok" and doc["config"]["model"] == str(tiny_target)
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 4]
     for lv in doc["levels"]:
-        assert (lv["completed"], lv["failed"], lv["not_sent"]) == (8, 0, 0)
+        assert (lv["completed"], lv["failed"], lv["not_sent"]) == (16, 0, 0)
         assert lv["warmup"] == {"num_requests": 2, "completed": 2, "failed": 0}
-        assert lv["output_tokens"] == 8 * 48  # ignore_eos: a fixed output length
+        assert lv["output_tokens"] == 16 * 48  # ignore_eos: a fixed output length
         assert lv["output_throughput"] == pytest.approx(lv["output_tokens"] / lv["duration_s"])
+        spread = lv["output_throughput_spread"]  # each run's 8 * 48 tokens over its own time
+        assert len(spread["repeats"]) == 2 and spread["min"] <= lv["output_throughput"] <= spread["max"]
+        assert lv["duration_s"] == pytest.approx(sum(8 * 48 / t for t in spread["repeats"]), rel=1e-6)
         assert 0 < lv["itl_s"]["mean"] < lv["e2e_s"]["mean"] and lv["e2e_s"]["p50"] <= lv["e2e_s"]["p99"]
         assert 1.0 <= lv["mean_acceptance_length"] <= 4.0  # 3 speculative tokens + the bonus one
         assert lv["spec_decode"]["num_drafts"] > 0
@@ -59,7 +62,7 @@ def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_pa
                             capture_output=True, text=True, timeout=120, check=False)
     assert report.returncode == 0, report.stderr
     md = (tmp_path / "report" / "report.md").read_text()
-    assert "| ngram | 1 | 8 / 0 / 0 |" in md and "| ngram | 4 | 8 / 0 / 0 |" in md
+    assert "| ngram | 1 | 16 / 0 / 0 |" in md and "| ngram | 4 | 16 / 0 / 0 |" in md
     for png in ("throughput.png", "latency.png", "kv_cache.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
 

@@ -79,3 +79,23 @@ def test_report_of_a_synthetic_result(tmp_path):
     assert "| a | 1 |" in md and "20.0%" in md
     for png in ("throughput.png", "latency.png", "kv_cache.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
+
+
+def test_throughput_spread_of_repeated_runs_in_the_report(tmp_path):
+    """A level measured in several runs keeps each run's tokens/s; the table shows the pooled tokens/s with
+    the runs' min-max, and one run has no spread."""
+    from vllm_hybridspec.bench.loadgen import throughput_spread
+
+    assert throughput_spread([120.0]) is None
+    spread = throughput_spread([100.0, 130.0, 90.0])
+    assert spread == {"repeats": [100.0, 130.0, 90.0], "median": 100.0, "min": 90.0, "max": 130.0}
+    s = {"mean": 0.01, "p50": 0.01, "p99": 0.02}
+    level = {"concurrency": 4, "num_requests": 24, "completed": 24, "failed": 0, "not_sent": 0,
+             "output_throughput": 104.0, "output_throughput_spread": spread, "request_throughput": 2.0,
+             "ttft_s": s, "itl_s": s, "tpot_s": s, "e2e_s": s, "mean_acceptance_length": 1.5,
+             "kv_cache_usage": {"mean": 0.1, "max": 0.2}, "status": "ok"}
+    doc = {"status": "ok", "error": None, "config": {"label": "x"}, "levels": [level]}
+    (tmp_path / "x.json").write_text(json.dumps(doc))
+    md = write_report([tmp_path / "x.json"], tmp_path / "out").read_text()
+    assert "| x | 4 | 24 / 0 / 0 | 104.0 [90.0-130.0] |" in md
+    assert (tmp_path / "out" / "throughput.png").stat().st_size > 1000

@@ -51,6 +51,8 @@ def bench(
     level_timeout: float = typer.Option(1800.0, help="seconds after which a level sends no new requests"),
     metrics_interval: float = typer.Option(0.5, help="seconds between KV-usage scrapes of /metrics"),
     progress: bool = typer.Option(True, help="progress bar per level"),
+    repeats: int = typer.Option(1, min=1, help="measured runs of --num-requests per level, back to back (after one "
+                                "warm-up): the report gives their tokens/s spread"),
 ) -> None:
     """Closed-loop load: C clients each send their next streamed completion as soon as the previous one
     finishes, for each C; throughput, latency, acceptance length and KV usage per C, as JSON."""
@@ -65,7 +67,7 @@ def bench(
     cfg = BenchConfig(base_url=base_url, concurrencies=levels, num_requests=num_requests, warmup=warmup,
                       output_len=output_len, ignore_eos=not eos, model=model, label=label or out.stem,
                       request_timeout=request_timeout, level_timeout=level_timeout,
-                      metrics_interval=metrics_interval)
+                      metrics_interval=metrics_interval, repeats=repeats)
     meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list)}
     try:
         with ExitStack() as stack:
@@ -83,7 +85,9 @@ def bench(
     except KeyboardInterrupt:
         _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130)
     for lv in doc["levels"]:
-        typer.echo(f"C={lv['concurrency']:>4}: {_num(lv['output_throughput'])} tok/s, "
+        spread = lv.get("output_throughput_spread")
+        spread = f" [{_num(spread['min'])}-{_num(spread['max'])} over {len(spread['repeats'])} runs]" if spread else ""
+        typer.echo(f"C={lv['concurrency']:>4}: {_num(lv['output_throughput'])} tok/s{spread}, "
                    f"{_num(lv['request_throughput'], '.2f')} req/s, ITL p50 {_num(lv['itl_s']['p50'], '.1f', 1e3)} ms, "
                    f"E2E p50 {_num(lv['e2e_s']['p50'], '.2f')} s, failed {lv['failed']}/{lv['num_requests']}, "
                    f"accept. length {_num(lv['mean_acceptance_length'], '.2f')}, "

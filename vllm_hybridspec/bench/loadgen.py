@@ -39,6 +39,7 @@ class BenchConfig:
     request_timeout: float = 600.0
     level_timeout: float = 1800.0  # no new requests after this many seconds of a level
     metrics_interval: float = 0.5
+    repeats: int = 1  # measured runs of num_requests per level, back to back, for the throughput's spread
 
     def requests_for(self, c: int) -> tuple[int, int]:
         n = self.num_requests if self.num_requests > 0 else max(16, 4 * c)
@@ -50,6 +51,14 @@ def summarize(values) -> dict:
         return {"mean": None, "p50": None, "p99": None}
     a = np.asarray(values, dtype=np.float64)
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def throughput_spread(tokens_per_s: list[float]) -> dict | None:
+    """Median, minimum and maximum of the repeats' output tokens/s (``None`` for a single run)."""
+    if len(tokens_per_s) < 2:
+        return None
+    return {"repeats": tokens_per_s, "median": float(np.median(tokens_per_s)), "min": min(tokens_per_s),
+            "max": max(tokens_per_s)}
 
 
 def level_stats(c: int, planned: int, results: list[RequestResult], duration: float) -> dict:
@@ -153,7 +162,7 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
         for i, c in enumerate(cfg.concurrencies):
             n, warmup = cfg.requests_for(c)
             outage = asyncio.Event()
-            bar = tqdm(total=warmup + n, desc=f"C={c}", unit="req", disable=not progress, leave=True)
+            bar = tqdm(total=warmup + n * cfg.repeats, desc=f"C={c}", unit="req", disable=not progress, leave=True)
             failures = 0
 
             def on_done(res: RequestResult, bar=bar) -> None:
@@ -167,7 +176,7 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
             results: list[RequestResult] = []
             before = after = None
             kv = {"mean": None, "max": None, "num_samples": 0}
-            t0 = time.perf_counter()
+            measured_s, repeats = 0.0, []  # the measured runs' total time and each run's output tokens/s
             status = "ok"
             try:
                 deadline = time.monotonic() + cfg.level_timeout
@@ -177,10 +186,18 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
                     before = await scrape(session, base_url)
                     sampler = KVUsageSampler(session, base_url, cfg.metrics_interval)
                     sampler.start()
-                    t0 = time.perf_counter()
                     try:
-                        await _closed_loop(session, url, take(n), c, cfg.request_timeout, deadline, outage,
-                                           on_done, health, results)
+                        for _ in range(cfg.repeats):
+                            if outage.is_set():
+                                break
+                            run: list[RequestResult] = []
+                            t_run = time.perf_counter()
+                            await _closed_loop(session, url, take(n), c, cfg.request_timeout, deadline, outage,
+                                               on_done, health, run)
+                            run_s = time.perf_counter() - t_run
+                            measured_s += run_s
+                            results += run
+                            repeats.append(sum(r.output_tokens for r in run if r.ok) / run_s if run_s > 0 else 0.0)
                     finally:
                         kv = await sampler.stop()
                 if not outage.is_set():
@@ -191,7 +208,8 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
                 bar.close()
             status = "aborted" if outage.is_set() else status
 
-            level = level_stats(c, n, results, time.perf_counter() - t0)
+            level = level_stats(c, n * cfg.repeats, results, measured_s)
+            level["output_throughput_spread"] = throughput_spread(repeats)
             level["warmup"] = {"num_requests": warmup, "completed": sum(r.ok for r in warm),
                                "failed": sum(not r.ok for r in warm)}
             level["spec_decode"] = spec_decode_delta(before, after)

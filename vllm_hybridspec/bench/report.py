@@ -26,7 +26,7 @@ def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
 
 
 def markdown_table(docs: list[dict]) -> str:
-    head = ("| configuration | C | done / failed / not sent | output tok/s | req/s | ITL mean / p50 / p99 (ms) "
+    head = ("| configuration | C | done / failed / not sent | output tok/s [min-max of runs] | req/s | ITL mean / p50 / p99 (ms) "
             "| E2E mean / p50 / p99 (s) | TTFT p50 (ms) | accept. length | KV usage mean / max |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for doc in docs:
@@ -34,9 +34,11 @@ def markdown_table(docs: list[dict]) -> str:
             itl, e2e = lv["itl_s"], lv["e2e_s"]
             kv = lv.get("kv_cache_usage") or {}
             flag = "" if lv.get("status", "ok") == "ok" else f" ({lv['status']})"
+            spread = lv.get("output_throughput_spread")
+            tps = _fmt(lv["output_throughput"]) + (f" [{_fmt(spread['min'])}-{_fmt(spread['max'])}]" if spread else "")
             lines.append(
                 f"| {doc['label']}{flag} | {lv['concurrency']} | {lv['completed']} / {lv['failed']} / "
-                f"{lv.get('not_sent', 0)} | {_fmt(lv['output_throughput'])} | {_fmt(lv['request_throughput'], '.2f')} "
+                f"{lv.get('not_sent', 0)} | {tps} | {_fmt(lv['request_throughput'], '.2f')} "
                 f"| {_fmt(itl['mean'], '.1f', 1e3)} / {_fmt(itl['p50'], '.1f', 1e3)} / {_fmt(itl['p99'], '.1f', 1e3)} "
                 f"| {_fmt(e2e['mean'], '.2f')} / {_fmt(e2e['p50'], '.2f')} / {_fmt(e2e['p99'], '.2f')} "
                 f"| {_fmt(lv['ttft_s']['p50'], '.1f', 1e3)} | {_fmt(lv.get('mean_acceptance_length'), '.2f')} "
@@ -73,6 +75,13 @@ def plot(docs: list[dict], out_dir: Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     _panel(axes[0], docs, lambda lv: lv["output_throughput"], "output tokens / s", "Output throughput")
+    for i, doc in enumerate(docs):  # the repeats' min-max as error bars
+        spread = [(lv["concurrency"], lv["output_throughput"], lv["output_throughput_spread"]) for lv in doc["levels"]
+                  if lv.get("output_throughput_spread") and lv["output_throughput"] is not None]
+        if spread:
+            axes[0].errorbar([c for c, _, _ in spread], [y for _, y, _ in spread],
+                             yerr=[[y - s["min"] for _, y, s in spread], [s["max"] - y for _, y, s in spread]],
+                             fmt="none", ecolor=f"C{i}", capsize=3)
     _panel(axes[1], docs, lambda lv: lv["request_throughput"], "requests / s", "Request throughput")
     axes[0].legend()
     paths.append(_save(fig, out_dir / "throughput.png"))
