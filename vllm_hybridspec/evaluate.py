@@ -12,7 +12,8 @@ selector is switched between the measurements (``LengthSelector.configure``):
 2. **fit**: a policy from round records (a capture run of a drafter, ``hybridspec calibrate
    capture``) and those costs (``policy/calibrate.py``);
 3. **modes**: ``plain`` (drafting off), ``all`` (every draft verified), ``sel`` (the fitted policy's
-   lengths and gate) and ``sel-nogate`` (its lengths alone). For each: the greedy outputs of all
+   lengths and gate), ``sel-nogate`` (its lengths alone) and ``sel-batched`` (its batched variant: one
+   length shared by the batch, and the gate). For each: the greedy outputs of all
    prompts submitted at once (each mode's compared token for token with ``plain``), vLLM's
    spec-decode counters over them, the lengths the selector chose, and decode steps at each batch
    size (ms per step, tokens per step, tokens/s).
@@ -33,7 +34,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
 
-MODES = ("plain", "all", "sel", "sel-nogate")
+MODES = ("plain", "all", "sel", "sel-nogate", "sel-batched")
 
 
 def configure_mode(selector, mode: str, k: int, policy: str | None) -> None:
@@ -42,10 +43,10 @@ def configure_mode(selector, mode: str, k: int, policy: str | None) -> None:
         selector.configure(drafting=False)
     elif mode == "all":
         selector.configure(fixed_length=k + 1)
-    elif mode in ("sel", "sel-nogate"):
+    elif mode in ("sel", "sel-nogate", "sel-batched"):
         if policy is None:
             raise ValueError(f"mode {mode!r} needs a policy file")
-        selector.configure(policy=policy, gate=mode == "sel")
+        selector.configure(policy=policy, gate=mode != "sel-nogate", batched=mode == "sel-batched")
     else:
         raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
 

@@ -59,10 +59,11 @@ class LengthSelector:
         self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
 
     def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
-                  gate: bool | None = None, drafting: bool = True) -> None:
+                  gate: bool | None = None, batched: bool | None = None, drafting: bool = True) -> None:
         """Switch a running engine's selector between measurements (``calibrate costs``,
         ``evaluate.py``): verify exactly ``fixed_length`` tokens per request; or select lengths with
         the policy file ``policy`` (its batch gate too, unless ``gate`` is false; ``None`` keeps the
+        engine's setting; ``batched`` picks the policy's shared-length variant, ``None`` keeps the
         engine's setting); or, with ``drafting=False``, run every step
         without drafts (what the batch gate does for a step, i.e. vLLM's plain decode path).
         Raises ``ValueError`` naming a bad value, as the ``"hybridspec"`` options do at engine start."""
@@ -72,6 +73,8 @@ class LengthSelector:
                "select": policy is not None, "batched": self.options.batched and policy is not None}
         if gate is not None:
             raw["gate"] = gate
+        if batched is not None and policy is not None:
+            raw["batched"] = batched
         if fixed_length is None and policy is None:
             raw["fixed_length"] = self.k + 1  # verify everything
         options = HybridSpecOptions.model_validate(raw)
