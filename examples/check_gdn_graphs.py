@@ -59,7 +59,11 @@ def main() -> None:
     graphs = [layer.spec_graphs for layer in layers]
     result["one_slot_layers"] = len(layers)
     result["layers_with_graphs"] = sum(g is not None for g in graphs)
+    if not result["layers_with_graphs"]:
+        raise SystemExit('no one-slot layer has graphs: pass "hybridspec": {"gdn_cudagraphs": true} and run '
+                         "without enforce_eager on a GPU")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    captures = replays = 0
     for name, on in (("graphs", True), ("eager", False), ("graphs_again", True)):
         for layer, g in zip(layers, graphs):
             layer.spec_graphs = g if on else None
@@ -67,20 +71,29 @@ def main() -> None:
         run = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "steps": {}}
         for b in (int(x) for x in args.batch_sizes.split(",")):
             run["steps"][str(b)] = time_decode_steps(llm, prompts, b, args.steps, args.warmup, f"{name}-{b}").summary()
-        run["captures"] = sum(g.captures for g in graphs if g is not None)
-        run["replays"] = sum(g.replays for g in graphs if g is not None)
+        total_captures = sum(g.captures for g in graphs if g is not None)
+        total_replays = sum(g.replays for g in graphs if g is not None)
+        run["captures"], run["replays"] = total_captures - captures, total_replays - replays  # this run's
+        captures, replays = total_captures, total_replays
         run["eager_sizes"] = sorted({s for g in graphs if g is not None for s in g.eager_sizes})
         result["runs"][name] = run
         steps = "  ".join(f"B={b}: {s['mean_ms']:.2f} ms/step (median {s['median_ms']:.2f}), "
                           f"{s['tokens_per_step']:.2f} tok/step" for b, s in run["steps"].items())
         print(f"{name:<13} captures {run['captures']:4d} replays {run['replays']:6d}  {steps}", flush=True)
         args.out.write_text(json.dumps(result))  # what has run so far, should a later run not finish
+    from vllm_hybridspec.evaluate import identical_prompts
+
     ref = result["runs"]["eager"]["outputs"]
+    ok = result["runs"]["graphs"]["replays"] > 0 and result["runs"]["eager"]["replays"] == 0
     for name in ("graphs", "graphs_again"):
-        same = sum(a == b for a, b in zip(result["runs"][name]["outputs"], ref))
+        same = identical_prompts(result["runs"][name]["outputs"], ref)
         result["runs"][name]["identical_to_eager"] = same
+        ok = ok and same == len(ref)
         print(f"{name}: {same}/{len(ref)} prompts identical to the eager layers' output")
+    result["passed"] = ok
     args.out.write_text(json.dumps(result))
+    print("PASS" if ok else "FAIL: outputs differ, or the graphed runs replayed no graph")
+    raise SystemExit(0 if ok else 1)
 
 
 if __name__ == "__main__":

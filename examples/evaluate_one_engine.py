@@ -1,7 +1,8 @@
 """Command line of ``vllm_hybridspec.evaluate``: costs, a fitted policy and decode speed / greedy output
 with drafting off, every draft verified and selected lengths, all on one engine start.
 
-    # the Qwen3.6-35B-A3B shape with dummy weights on the H200 (examples/gpu_session.sh one35b)
+    # the Qwen3.6-35B-A3B shape, dummy weights, the dummy H-Spec drafter (examples/gpu_session.sh eval-35b
+    # runs the same with the replay proposer and a plain engine's continuations as prompts and --reference)
     python examples/evaluate_one_engine.py --target /tmp/full-shape/target --random-prompts --vocab 248000 \\
         --speculative-config '{"method": "hspec", "model": "/tmp/full-shape/hspec", "num_speculative_tokens": 7,
                                "hybridspec": {"gdn_kernel": true}}' \\

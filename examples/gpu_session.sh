@@ -224,6 +224,8 @@ bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   case "$CFG" in
     plain) SPEC="" ;;
     all) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}" ;;
+    # the committed policy's gate is off at B = 1 and 4 (one-slot spec steps were host-bound): at C = 1, 4
+    # this measures what HybridSpec then runs, the plain decode path of the speculative engine
     sel) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"$POLICY\"}}" ;;
     dyn) SPEC="{$REPLAY, \"num_speculative_tokens_per_batch_size\": [[1, 2, 7], [3, 8, 3]]}" ;;
   esac

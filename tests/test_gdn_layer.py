@@ -461,9 +461,13 @@ def test_padded_graph_round_equals_the_eager_round(lengths, rows, slots, commit,
 
     graphs = SpecCoreGraphs(layer, U, batch_sizes=(1, 2, 4, 8), capture=False)
     seed = int(torch.randint(0, 2**30, (1,), generator=gen))
+    print(f"seed {seed}")
     seed += 7  # an earlier round through the graphed path leaves its values in the static buffers
     one_round(graphs)
     seed -= 7
+    for buf in (graphs.static.x, graphs.static.b, graphs.static.a, graphs.static.out, graphs.static.factors.z,
+                graphs.static.factors.k, graphs.static.factors.g_cum):
+        buf.fill_(float("nan"))  # padding rows must never be read into a real row
     o_eager, (conv_eager, ssm_eager), _ = one_round(None)
     o_graph, (conv_graph, ssm_graph), done = one_round(graphs)
     assert done.x.data_ptr() == graphs.static.x.data_ptr()  # the commit read the static buffers
@@ -492,6 +496,28 @@ def test_graph_rounds_fall_back_to_eager_past_the_largest_bucket_or_longer_round
     long_round = SpecLayout.read(spec_metadata([5], [0], [1], 1))
     assert graphs.run(long_round, x[:5], b[:5], b[:5]) is None
     assert graphs.static is None  # nothing allocated for rounds it does not take
+
+
+def test_a_failed_capture_runs_that_size_eagerly_from_then_on():
+    """With ``capture=True`` on a machine without CUDA the capture fails: the round still returns the
+    eager answer (equal to a ``capture=False`` round), the size is marked eager and later rounds of it
+    return None (the layer's own eager path)."""
+    from vllm_hybridspec.gdn_graphs import SpecCoreGraphs
+    from vllm_hybridspec.gdn_layer import SpecLayout
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    layer, conv = bare_layer(gen, 2, 4, 16, 32, 4, 6)
+    layer.kv_cache = (conv, torch.randn(6, 4, 32, 16, generator=gen) * 0.2)
+    layer.prefix = "model.layers.0.linear_attn"
+    layout = SpecLayout.read(spec_metadata([3, 2], [0, 1], [2, 5], 2))
+    x = torch.randn(5, layer.conv1d.weight.shape[0], generator=gen)
+    b, a = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    failing = SpecCoreGraphs(layer, 4, batch_sizes=(2,), capture=True)
+    first = failing.run(layout, x, b, a)
+    assert first is not None and failing.eager_sizes == {2} and failing.captures == 0
+    reference = SpecCoreGraphs(layer, 4, batch_sizes=(2,), capture=False).run(layout, x, b, a)
+    assert torch.equal(first[0], reference[0])
+    assert failing.run(layout, x, b, a) is None
 
 
 def test_graphs_of_the_verification_are_opt_in_on_cuda_and_off_when_eager():

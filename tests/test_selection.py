@@ -134,3 +134,14 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     with pytest.raises(ValueError, match="does not exist"):
         selector.configure(policy=str(tmp_path / "missing.json"))
     assert selector.options.fixed_length == K + 1 and selector.speculate(4)
+    # None takes the engine's own setting each time, not the previous call's
+    selector.configure(policy=path, gate=False)
+    selector.configure(policy=path)
+    assert not selector.speculate(4)
+    batched = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True), batched=True), K,
+                             torch.device("cpu"), max_num_reqs=64)
+    batched.configure(fixed_length=3)
+    batched.configure(policy=batched.engine_options.policy)
+    assert batched.options.batched
+    batched.configure(policy=batched.engine_options.policy, batched=False)
+    assert not batched.options.batched

@@ -49,9 +49,16 @@ def load_prompts(args) -> list[dict]:
         return [{"prompt_token_ids": torch.randint(0, args.vocab, (int(n),), generator=gen).tolist()}
                 for n in lengths]
     rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.num_prompts]
+    if not rows:
+        raise ValueError(f"prompt file {args.prompts!r} holds no prompts")
     ids = [r.get("prompt_token_ids", r.get("prompt")) for r in rows]
-    if all(isinstance(x, list) for x in ids):
+    kinds = [isinstance(x, list) for x in ids]
+    if all(kinds):
         return [{"prompt_token_ids": [int(t) for t in x]} for x in ids]
+    if any(kinds) or not all(isinstance(x, str) for x in ids):
+        bad = next(i for i, x in enumerate(ids) if isinstance(x, list) != kinds[0] or x is None)
+        raise ValueError(f"prompt file {args.prompts!r}, row {bad + 1}: every row needs a 'prompt' text, or every "
+                         f"row a token-id list ('prompt' or 'prompt_token_ids'); got {str(ids[bad])[:60]!r}")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -126,16 +133,13 @@ def run_config(name: str, spec, args, prompts) -> dict:
     }
     if gaps is not None:
         result["top2_gaps"] = gaps
-    selector = None
-    if spec is not None:
-        try:
-            selector = getattr(in_process_drafter(llm), "length_selector", None)
-        except RuntimeError:  # workers in their own processes (tensor parallelism): no selector stats
-            selector = None
+    # with tensor parallelism the proposer lives in the worker processes: no selector stats, no spec sweep
+    in_process = llm.llm_engine.vllm_config.parallel_config.world_size == 1
+    selector = getattr(in_process_drafter(llm), "length_selector", None) if spec is not None and in_process else None
     if selector is not None:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
     sweep = getattr(args, "sweep_lengths", None)
-    if sweep and spec is not None and selector is None:
+    if sweep and spec is not None and not in_process:
         result["round_ms"] = {"skipped": "the proposer is not in this process (tensor parallelism)"}
     elif sweep:
         result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps,

@@ -118,9 +118,12 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
     if policy is not None and not Path(policy).is_file():
         raise ValueError(f"policy file {policy!r} does not exist")
     options = dict(speculative_config.get("hybridspec") or {})
-    if options.get("select") or options.get("policy") or options.get("capture"):
-        raise ValueError('--speculative-config: "hybridspec" may not set "select", "policy" or "capture" here; '
-                         "the evaluation sets the lengths itself")
+    chosen = sorted(set(options) & {"select", "policy", "capture", "batched", "fixed_length"})
+    if chosen:
+        raise ValueError(f'--speculative-config: "hybridspec" may not set {chosen} here; the evaluation sets the '
+                         "lengths itself, mode by mode")
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
     spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
     out_dir.mkdir(parents=True, exist_ok=True)
     expected = plain_engine_outputs(reference, prompts, max_tokens) if reference is not None else None
@@ -130,9 +133,10 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
                          f"num_speculative_tokens={k}")
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, seed=0, async_scheduling=False,
-              max_num_seqs=max(max(batch_sizes), len(prompts)), speculative_config=spec,
-              disable_log_stats=False, **engine_args)
+    # synchronous scheduling: a step's wall time is its round's; the counters need the stats logger
+    llm = LLM(**{"model": model, "skip_tokenizer_init": True, "seed": 0,
+                 "max_num_seqs": max(max(batch_sizes), len(prompts)), **engine_args,
+                 "async_scheduling": False, "disable_log_stats": False, "speculative_config": spec})
     result: dict = {"model": model, "speculative_config": spec, "engine_args": engine_args,
                     "engine_start_s": round(time.perf_counter() - t0, 1),
                     "kv_capacity_tokens": kv_capacity_tokens(llm), "modes": {}}

@@ -19,8 +19,9 @@ A graph has fixed shapes, so a round runs padded:
 Outputs, factors and pre-conv inputs live in static buffers of the layer, sized once for the largest
 bucket: what the commit after rejection sampling reads, valid until the layer's next forward.
 Per layer that is ``Ns_max * U * (4 (HV V + HK K + HV) + 2 conv_dim + 2 HV V)`` bytes at bf16, about
-12 MB at the 35B shape with ``Ns_max = 32``, ``U = 8``. vLLM's memory profiling does not see it.
-Larger batches run eagerly.
+12 MB at the 35B shape with ``Ns_max = 32`` (the largest bucket, at most ``max_num_seqs``), ``U = 8``:
+about 380 MB for 30 layers, allocated at the first spec round, after vLLM has sized the KV cache, so
+it comes out of the headroom ``gpu_memory_utilization`` leaves. Larger batches run eagerly.
 
 Opt-in (``"hybridspec": {"gdn_cudagraphs": true}``) until ``examples/gpu_session.sh gdn-graphs`` has
 checked on a GPU that the replayed rounds give the eager rounds' outputs. Its first attempt, on
@@ -104,11 +105,11 @@ class SpecCoreGraphs:
         ns_pad = self.bucket(ns)
         if ns_pad is None or ns_pad in self.eager_sizes or layout.max_len > self.max_len:
             return None
-        if self.capture and torch.cuda.is_current_stream_capturing():
-            return None
+        if self.capture and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None  # inside someone else's capture (vLLM's): run eagerly, inside it
         s = self.static
         if s is None:
-            s = self.static = self._allocate(x, b)
+            s = self.static = self._allocate(x, b, a)
         t_pad = ns_pad * self.max_len
         s.x[:T].copy_(x)
         s.b[:T].copy_(b)
@@ -130,7 +131,7 @@ class SpecCoreGraphs:
         f = s.factors
         return s.out[:T], VerifyFactors(f.z[:T], f.k[:T], f.g_cum[:T]), s.x[:T]
 
-    def _allocate(self, x: torch.Tensor, b: torch.Tensor) -> _Static:
+    def _allocate(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> _Static:
         from vllm_hybridspec.kernels.gdn import VerifyFactors
 
         layer = self.layer
@@ -143,7 +144,7 @@ class SpecCoreGraphs:
         return _Static(
             x=torch.zeros(t_max, x.shape[1], dtype=x.dtype, device=device),
             b=torch.zeros(t_max, b.shape[1], dtype=b.dtype, device=device),
-            a=torch.zeros(t_max, b.shape[1], dtype=b.dtype, device=device),
+            a=torch.zeros(t_max, a.shape[1], dtype=a.dtype, device=device),
             slots=torch.zeros(ns_max, dtype=torch.int32, device=device),
             cu=torch.zeros(ns_max + 1, dtype=torch.int32, device=device),
             out=torch.zeros(t_max, hv, v, dtype=x.dtype, device=device),

@@ -153,8 +153,7 @@ def one_slot_layers(runner) -> list:
 def runner_has_one_slot_layers(runner) -> bool:
     """For ``vllm_internals.patch_plain_decode_full_graphs``: whether the runner's model has one-slot
     GDN layers (then full CUDA graphs may hold plain decode steps only)."""
-    context = runner.compilation_config.static_forward_context
-    return any(isinstance(layer, HSpecQwenGDN) and layer.one_slot for layer in context.values())
+    return bool(one_slot_layers(runner))
 
 
 def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -270,10 +269,14 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         if self.one_slot:
             # get_state_shape reads it: the conv window of plain decoding
             self.num_spec = 0
+            from vllm_hybridspec.gdn_graphs import DEFAULT_BATCH_SIZES as DEFAULT_GRAPH_SIZES
             from vllm_hybridspec.gdn_graphs import SpecCoreGraphs, gdn_graphs_enabled
 
             if gdn_graphs_enabled(vllm_config, "cuda" if _on_cuda() else "cpu"):
-                self.spec_graphs = SpecCoreGraphs(self, vllm_config.speculative_config.num_speculative_tokens + 1)
+                max_seqs = vllm_config.scheduler_config.max_num_seqs
+                sizes = tuple(sorted({s for s in DEFAULT_GRAPH_SIZES if s < max_seqs} | {min(max_seqs, 32)}))
+                self.spec_graphs = SpecCoreGraphs(self, vllm_config.speculative_config.num_speculative_tokens + 1,
+                                                  batch_sizes=sizes)
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -455,8 +458,15 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         bias = self.conv1d.bias
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         cached = getattr(self, "_conv_fp32", None)
-        if cached is None or cached[0] != key:
+        if cached is None:
             cached = self._conv_fp32 = (key, weight.float().T.contiguous(), None if bias is None else bias.float())
+        elif cached[0] != key:
+            # new weights (a reload): converted into the same tensors, whose addresses CUDA graphs of the
+            # verification (gdn_graphs.py) hold
+            cached[1].copy_(weight.float().T)
+            if bias is not None:
+                cached[2].copy_(bias.float())
+            cached = self._conv_fp32 = (key, cached[1], cached[2])
         return cached[1], cached[2]
 
     def _verify_cpu(self, md, x, b, a) -> torch.Tensor:

@@ -34,7 +34,7 @@ class _Ready:
 class LengthSelector:
     def __init__(self, options: HybridSpecOptions, num_speculative_tokens: int, device: torch.device,
                  max_num_reqs: int):
-        self.options = options
+        self.engine_options = options  # as the engine started: configure's defaults
         self.k = num_speculative_tokens
         self.device = device
         self.drafting = True  # False: every step runs without drafts (configure(drafting=False))
@@ -53,8 +53,8 @@ class LengthSelector:
             self._cuda_event, self._stream = torch.cuda.Event(), torch.cuda.Stream()
 
     def _apply(self, options: HybridSpecOptions) -> None:
-        self.options = options
-        self.policy = Policy.load(options.policy, self.device) if options.policy else None
+        policy = Policy.load(options.policy, self.device) if options.policy else None  # may raise: nothing set yet
+        self.options, self.policy = options, policy
         self.trims = bool(options.select or options.fixed_length is not None)
         self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
 
@@ -62,19 +62,17 @@ class LengthSelector:
                   gate: bool | None = None, batched: bool | None = None, drafting: bool = True) -> None:
         """Switch a running engine's selector between measurements (``calibrate costs``,
         ``evaluate.py``): verify exactly ``fixed_length`` tokens per request; or select lengths with
-        the policy file ``policy`` (its batch gate too, unless ``gate`` is false; ``None`` keeps the
-        engine's setting; ``batched`` picks the policy's shared-length variant, ``None`` keeps the
-        engine's setting); or, with ``drafting=False``, run every step
-        without drafts (what the batch gate does for a step, i.e. vLLM's plain decode path).
-        Raises ``ValueError`` naming a bad value, as the ``"hybridspec"`` options do at engine start."""
+        the policy file ``policy`` (with its batch gate unless ``gate`` is false, and its shared-length
+        variant when ``batched``; ``None`` takes the engine's ``"hybridspec"`` setting); or, with
+        ``drafting=False``, run every step without drafts (what the batch gate does for a step, i.e.
+        vLLM's plain decode path). Raises ``ValueError`` naming a bad value, as the ``"hybridspec"``
+        options do at engine start, and then leaves the selector as it was."""
         if fixed_length is not None and policy is not None:
             raise ValueError("configure: give fixed_length or policy, not both")
-        raw = {**self.options.model_dump(), "fixed_length": fixed_length, "policy": policy,
-               "select": policy is not None, "batched": self.options.batched and policy is not None}
-        if gate is not None:
-            raw["gate"] = gate
-        if batched is not None and policy is not None:
-            raw["batched"] = batched
+        start = self.engine_options
+        raw = {**start.model_dump(), "fixed_length": fixed_length, "policy": policy, "select": policy is not None,
+               "gate": start.gate if gate is None else gate,
+               "batched": policy is not None and (start.batched if batched is None else batched)}
         if fixed_length is None and policy is None:
             raw["fixed_length"] = self.k + 1  # verify everything
         options = HybridSpecOptions.model_validate(raw)

@@ -197,7 +197,8 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
                             run_s = time.perf_counter() - t_run
                             measured_s += run_s
                             results += run
-                            repeats.append(sum(r.output_tokens for r in run if r.ok) / run_s if run_s > 0 else 0.0)
+                            if not outage.is_set() and run_s > 0:  # a run cut short is not in the spread
+                                repeats.append(sum(r.output_tokens for r in run if r.ok) / run_s)
                     finally:
                         kv = await sampler.stop()
                 if not outage.is_set():
