@@ -37,6 +37,19 @@ def spec_counters(llm) -> dict[str, float]:
     return out
 
 
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], float | None]:
+    """vLLM's spec-decode counters between two :func:`spec_counters` readings, and the mean acceptance
+    length over them (bonus token included; ``None`` without drafts)."""
+    counters = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts = counters.get("num_drafts")
+    return counters, (1 + counters["num_accepted_tokens"] / drafts) if drafts else None
+
+
+def identical_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """How many prompts' token lists equal the reference's."""
+    return sum(a == b for a, b in zip(outputs, reference))
+
+
 def load_prompts(args) -> list[dict]:
     """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's rows, each a
     ``prompt`` text (tokenised with the target's tokenizer), a ``prompt`` list of token ids, or a
@@ -111,7 +124,7 @@ def run_config(name: str, spec, args, prompts) -> dict:
     # top-2 log-probability gap at each output position (where a divergence is a floating-point near-tie)
     gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    counters = {k: after[k] - before.get(k, 0.0) for k in after}
+    counters, acceptance_length = counter_delta(before, after)
     bs1_tokens, t0 = 0, time.perf_counter()
     for p in prompts[: args.bs1_prompts]:
         bs1_tokens += len(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
@@ -125,8 +138,7 @@ def run_config(name: str, spec, args, prompts) -> dict:
         "bs1_tokens_per_s": bs1_tokens / bs1_s if args.bs1_prompts else None,
         "bs1_prompts": args.bs1_prompts,
         "spec_counters": counters,
-        "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / counters["num_drafts"])
-        if counters.get("num_drafts") else None,
+        "mean_acceptance_length": acceptance_length,
         "outputs": tokens,
         "engine_args": engine_kw,
         "engine_start_s": start_s,
@@ -192,7 +204,7 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
         if "error" in r:
             lines.append(f"{r['name']:<12} ERROR {r['error'][:100]}")
             continue
-        r["identical_prompts"] = sum(a == b for a, b in zip(r["outputs"], reference["outputs"]))
+        r["identical_prompts"] = identical_prompts(r["outputs"], reference["outputs"])
         if "top2_gaps" in reference:
             # for each prompt that differs: the reference's top-2 gap where the outputs first part
             r["divergence_gaps"] = [

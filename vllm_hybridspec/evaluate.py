@@ -34,6 +34,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
 
+from vllm_hybridspec.compare import identical_prompts  # noqa: E402
+
 MODES = ("plain", "all", "sel", "sel-nogate", "sel-batched")
 
 
@@ -56,7 +58,7 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
     """Greedy outputs, counters and per-batch-size step times of one mode."""
     from vllm import SamplingParams
 
-    from vllm_hybridspec.compare import spec_counters
+    from vllm_hybridspec.compare import counter_delta, spec_counters
     from vllm_hybridspec.policy.measure import time_decode_steps
 
     configure_mode(selector, mode, k, policy)
@@ -67,7 +69,7 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
                         use_tqdm=False)
     batch_s = time.perf_counter() - t0
     after = spec_counters(llm)
-    counters = {name: after[name] - before.get(name, 0.0) for name in after}
+    counters, acceptance_length = counter_delta(before, after)
     stats = selector.stats()
     lengths = {w: n - before_stats["rows_at_length"].get(w, 0) for w, n in stats["rows_at_length"].items()}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -76,8 +78,7 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
         "outputs": tokens,
         "batch_tokens_per_s": sum(map(len, tokens)) / batch_s,
         "spec_counters": counters,
-        "mean_acceptance_length": (1 + counters["num_accepted_tokens"] / counters["num_drafts"])
-        if counters.get("num_drafts") else None,
+        "mean_acceptance_length": acceptance_length,
         "rows_at_length": {w: n for w, n in lengths.items() if n},
         "gated_steps": stats["gated_steps"] - before_stats["gated_steps"],
         "steps": {},
@@ -196,10 +197,6 @@ def plain_engine_outputs(path: str, prompts: list[dict], max_tokens: int) -> lis
                              f"--max-tokens is {max_tokens}")
         outputs.append(entry.output[:max_tokens].tolist())
     return outputs
-
-
-def identical_prompts(outputs: list[list[int]], reference: list[list[int]]) -> int:
-    return sum(a == b for a, b in zip(outputs, reference))
 
 
 def mode_line(r: dict, plain: dict | None) -> str:
