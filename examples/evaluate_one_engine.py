@@ -58,11 +58,14 @@ def main() -> None:
         spec, engine_args = json.loads(args.speculative_config), json.loads(args.engine_args)
     except json.JSONDecodeError as e:
         ap.error(f"--speculative-config / --engine-args must be JSON: {e}")
-    result = evaluate(args.target, spec, engine_args, load_prompts(args), args.out_dir, records=args.records,
-                      policy=args.policy, lengths=args.lengths, batch_sizes=args.batch_sizes,
-                      modes=[m for m in args.modes.split(",") if m], steps=args.steps, warmup=args.warmup,
-                      max_tokens=args.max_tokens, min_length=args.min_length, reference=args.reference,
-                      progress=lambda line: print(line, flush=True))
+    try:
+        result = evaluate(args.target, spec, engine_args, load_prompts(args), args.out_dir, records=args.records,
+                          policy=args.policy, lengths=args.lengths, batch_sizes=args.batch_sizes,
+                          modes=[m for m in args.modes.split(",") if m], steps=args.steps, warmup=args.warmup,
+                          max_tokens=args.max_tokens, min_length=args.min_length, reference=args.reference,
+                          progress=lambda line: print(line, flush=True))
+    except ValueError as e:  # bad settings, prompts, records or policy (InputError is a ValueError)
+        ap.exit(2, f"error: {e}\n")
     table = summary_markdown(result)
     (args.out_dir / "summary.md").write_text(table + "\n")
     print(table)

@@ -150,3 +150,29 @@ def test_replayed_acceptance_against_a_separate_plain_engine(tmp_path):
     acc = result["modes"]["all"]["mean_acceptance_length"]
     assert 1.0 < acc < K + 1
     assert abs(acc - (1 + stats["records_mean_accepted"])) < 0.6, (acc, stats)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"modes": ["plain", "fast"]}, r"unknown modes \['fast'\]"),
+    ({"records": None}, "the 'sel' modes need --records"),
+    ({"lengths": [1, 9]}, r"--lengths \[9\] outside 1..num_speculative_tokens \+ 1 = 8"),
+    ({"spec": {**SPEC, "hybridspec": {"fixed_length": 3}}}, r"may not set \['fixed_length'\]"),
+    ({"prompts": []}, "no prompts"),
+    ({"policy": "/nonexistent/policy.json", "records": None}, "policy file '/nonexistent/policy.json' does not exist"),
+], ids=["unknown-mode", "sel-without-policy", "length-past-K+1", "fixed-length-given", "no-prompts", "missing-policy"])
+def test_bad_settings_fail_before_an_engine_starts(monkeypatch, tmp_path, change, message):
+    """Each bad setting is a ValueError naming it, raised before ``vllm.LLM`` is constructed."""
+    import vllm
+
+    from vllm_hybridspec.evaluate import evaluate
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for bad input")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    args = {"spec": SPEC, "prompts": [{"prompt_token_ids": [1, 2, 3]}], "records": str(RECORDS),
+            "lengths": LENGTHS, "modes": None, "policy": None, **change}
+    with pytest.raises(ValueError, match=message):
+        evaluate(str(MODELS / "hybrid"), args["spec"], ENGINE, args["prompts"], tmp_path / "out",
+                 records=args["records"], policy=args["policy"], lengths=args["lengths"],
+                 **({"modes": args["modes"]} if args["modes"] else {}))
