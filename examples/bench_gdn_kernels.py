@@ -333,6 +333,34 @@ def tune(samples: int) -> tuple[dict, dict, list]:
     return vcfg, best_c[0], rows
 
 
+RECURRENT_CANDIDATES = [dict(BV=bv, num_warps=nw) for bv, nw in
+                        ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8))]
+
+
+def tune_recurrent(samples: int, lengths=(2, 8, 16), batches=(1, 4)) -> tuple[dict, list]:
+    """Launch configuration of the recurrent verify kernel: every candidate at each (w, B), 30 layers;
+    the one with the least time summed over all of them is returned with the table."""
+    rows, total = [], {}
+    for cfg in RECURRENT_CANDIDATES:
+        key = json.dumps(cfg)
+        for w, B in itertools.product(lengths, batches):
+            vc = dict(cfg, method="recurrent")
+            try:
+                o = Ours(Round(B, w), w, vc, {})
+                o.verify()
+                t = median_time_ms(graph_of(o.verify), samples)[0]
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile
+                log(f"tune recurrent {cfg} w={w} B={B} failed: {type(e).__name__}: {str(e)[:200]}")
+                total[key] = float("inf")
+                continue
+            rows.append(("recurrent", dict(cfg, w=w, B=B), t))
+            total[key] = total.get(key, 0.0) + t
+            log(f"tune recurrent {cfg} w={w} B={B}: verify {t:.4f} ms")
+    best = min(total, key=total.get)
+    log(f"tune recurrent: best {best} ({total[best]:.4f} ms summed)")
+    return json.loads(best), rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="markdown report to write")
@@ -342,6 +370,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--no-tune", action="store_true", help="use the default launch configuration")
     p.add_argument("--render", type=Path, help="only re-render --out from a --json file of an earlier run")
+    p.add_argument("--tune-recurrent", action="store_true",
+                   help="choose the recurrent verify kernel's launch configuration in this run")
     p.add_argument("--ours-only", action="store_true",
                    help="time only our kernels (no vLLM or fla needed): for tuning")
     args = p.parse_args(argv)
@@ -364,20 +394,26 @@ def main(argv=None) -> int:
         vcfg, ccfg, tune_rows = dict(), dict(), []
     else:
         vcfg, ccfg, tune_rows = tune(max(10, args.samples // 3))
-    log(f"verify config {vcfg}, commit config {ccfg}")
+    rcfg, rec_rows = dict(), []
+    if args.tune_recurrent:
+        rcfg, rec_rows = tune_recurrent(max(10, args.samples // 3))
+        tune_rows += rec_rows
+    chunk_cfg, rec_cfg = dict(vcfg, method="chunk"), dict(rcfg, method="recurrent")
+    log(f"verify config {vcfg} (chunk), {rcfg} (recurrent), commit config {ccfg}")
 
     accuracy, results, failed = {}, [], []
     fla_ok = not args.ours_only
     nan = (float("nan"), float("nan"))
     for w in args.lengths:
         for B in args.batches:
-            acc = check_accuracy(w, B, vcfg, ccfg, with_vllm=not args.ours_only)
-            accuracy[f"w{w}_B{B}"] = acc
-            ok = (max(acc["fp32"].values()) <= 1e-4 and max(acc["bf16"]["out_vs_fp64"],
-                  acc["bf16"]["state_vs_fp64"]) <= 5e-3)
-            log(f"accuracy w={w} B={B}: {json.dumps(acc)} -> {'ok' if ok else 'FAILED'}")
-            if not ok:
-                failed.append((w, B))
+            for method, cfg in (("chunk", chunk_cfg), ("recurrent", rec_cfg)):
+                acc = check_accuracy(w, B, cfg, ccfg, with_vllm=not args.ours_only)
+                accuracy[f"w{w}_B{B}_{method}"] = acc
+                ok = (max(acc["fp32"].values()) <= 1e-4 and max(acc["bf16"]["out_vs_fp64"],
+                      acc["bf16"]["state_vs_fp64"]) <= 5e-3)
+                log(f"accuracy {method} w={w} B={B}: {json.dumps(acc)} -> {'ok' if ok else 'FAILED'}")
+                if not ok:
+                    failed.append((method, w, B))
     for w in args.lengths:
         for B in args.batches:
             r = Round(B, w)
@@ -393,16 +429,21 @@ def main(argv=None) -> int:
                     log(f"fla failed at w={w} B={B}: {type(e).__name__}: {str(e)[:300]}")
                     fla_ok = False
             for m in sorted({w, math.ceil(w / 2)}, reverse=True):
-                ours = Ours(r, m, vcfg, ccfg)
+                ours = Ours(r, m, chunk_cfg, ccfg)
                 ours.round()
                 t_round = median_time_ms(graph_of(ours.round), args.samples)
                 t_verify = median_time_ms(graph_of(ours.verify), args.samples)
                 # the same round with fp32-accurate products (what fp32 inputs get)
-                exact = Ours(r, m, dict(vcfg, precision="tf32x3", BK=64), ccfg)
+                exact = Ours(r, m, dict(chunk_cfg, precision="tf32x3", BK=64), ccfg)
                 exact.round()
                 t_exact = median_time_ms(graph_of(exact.round), args.samples)
                 del exact
                 t_commit = median_time_ms(graph_of(ours.commit), args.samples)
+                rec = Ours(r, m, rec_cfg, ccfg)
+                rec.round()
+                t_rec_round = median_time_ms(graph_of(rec.round), args.samples)
+                t_rec_verify = median_time_ms(graph_of(rec.verify), args.samples)
+                del rec
                 t_vllm = t_vllm_copy = nan
                 if not args.ours_only:
                     vl = VllmPath(r, m, with_copy=False)
@@ -412,17 +453,19 @@ def main(argv=None) -> int:
                     vlc.round()
                     t_vllm_copy = median_time_ms(graph_of(vlc.round), args.samples)
                     del vl, vlc
-                row = dict(w=w, B=B, m=m, ours=t_round[0], ours_iqr=t_round[1], ours_tf32x3=t_exact[0],
-                           ours_verify=t_verify[0], ours_commit=t_commit[0],
+                row = dict(w=w, B=B, m=m, chunk=t_round[0], chunk_iqr=t_round[1], ours_tf32x3=t_exact[0],
+                           chunk_verify=t_verify[0], ours_commit=t_commit[0],
+                           recurrent=t_rec_round[0], recurrent_iqr=t_rec_round[1],
+                           recurrent_verify=t_rec_verify[0],
                            vllm=t_vllm[0], vllm_iqr=t_vllm[1], vllm_copy=t_vllm_copy[0],
                            fla=fla_ms[0] if fla_ms else None,
                            floor=floor_verify + floor_commit, floor_verify=floor_verify,
                            floor_commit=floor_commit)
-                row["speedup_vs_vllm"] = row["vllm"] / row["ours"]
-                row["x_floor"] = row["ours"] / row["floor"]
                 row["launch_floor"] = launch_ms
+                with_default(row)
                 results.append(row)
-                log(f"w={w:2d} B={B} m={m:2d}: ours {row['ours']:.4f} ms (verify {row['ours_verify']:.4f}"
+                log(f"w={w:2d} B={B} m={m:2d}: ours {row['ours']:.4f} ms ({row['method']}; verify chunk "
+                    f"{row['chunk_verify']:.4f} / recurrent {row['recurrent_verify']:.4f}"
                     f" + commit {row['ours_commit']:.4f}), vLLM {row['vllm']:.4f} "
                     f"({row['speedup_vs_vllm']:.2f}x), vLLM+copy {row['vllm_copy']:.4f}, fla "
                     f"{row['fla'] if row['fla'] is None else round(row['fla'], 4)}, floor "
@@ -430,7 +473,7 @@ def main(argv=None) -> int:
                 del ours
             torch.cuda.empty_cache()
     meta = dict(device=dev, copy_bandwidth_TBps=bw / 1e12, launch_floor_ms=launch_ms, verify_config=vcfg,
-                commit_config=ccfg,
+                recurrent_config=rcfg, commit_config=ccfg,
                 layers=LAYERS, HK=HK, HV=HV, K=K, V=V, samples=args.samples,
                 torch=torch.__version__, seconds=time.time() - t0, command=" ".join(sys.argv))
     if args.json:
@@ -445,7 +488,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def with_default(row: dict) -> dict:
+    """Fill ``ours`` (the round of the method ``gdn_verify``'s "auto" picks for this length, with the
+    library's current RECURRENT_UP_TO) and the ratios from it. Rows of runs before the recurrent
+    kernel existed keep their ``ours`` (the chunkwise kernel)."""
+    from vllm_hybridspec.kernels.gdn import verify
+
+    if "recurrent" in row:
+        row["method"] = "recurrent" if row["w"] <= verify.RECURRENT_UP_TO else "chunk"
+        row["ours"] = row[row["method"]]
+        row["ours_verify"] = row[f"{row['method']}_verify"]
+    row["speedup_vs_vllm"] = row["vllm"] / row["ours"]
+    row["x_floor"] = row["ours"] / row["floor"]
+    row["x_launch_floor"] = row["ours"] / row["launch_floor"] if row.get("launch_floor") else None
+    return row
+
+
 def render_markdown(meta, accuracy, results) -> str:
+    results = [with_default(dict(r)) for r in results]
     lines = [
         "# GDN verification + commit: ours vs vLLM 0.26 vs fla",
         "",
@@ -465,13 +525,19 @@ def render_markdown(meta, accuracy, results) -> str:
            f"CUDA graph, take {meta['launch_floor_ms']:.4f} ms (one verify per layer and one commit cost at "
            "least that much, however little each kernel does)." if "launch_floor_ms" in meta else ""),
         "",
-        "- ours: `gdn_verify` per layer (all w tokens in parallel, no per-token state) + one `gdn_commit` "
-        "for all layers, with the default `precision=\"auto\"` (tf32 products for these bf16 inputs); "
-        "'ours, tf32x3' is the same round with fp32-accurate products, what fp32 inputs get; "
-        "launch configuration: "
-        + (f"chosen in the same run: verify `{meta['verify_config']}`, commit `{meta['commit_config']}`."
-           if meta["verify_config"] else "the library defaults (chosen by earlier `--ours-only` tuning "
-           "runs, see gdn_kernels_tuning.log)."),
+        "- ours: `gdn_verify` per layer (no per-token state) + one `gdn_commit` for all layers. `gdn_verify` "
+        "has two kernels with the same outputs and factors: 'chunk' (all w tokens in one set of matrix "
+        "products, Eq. 3, with the default `precision=\"auto\"`: tf32 products for these bf16 inputs) and "
+        "'recurrent' (the recurrence stepped on a register copy of S0, no state written; fp32 arithmetic). "
+        "The 'ours' column is the method the library's `method=\"auto\"` picks at that length "
+        "(recurrent for w <= RECURRENT_UP_TO, else chunk); the verify columns time each kernel alone. "
+        "'chunk, tf32x3' is the chunkwise round with fp32-accurate products, what fp32 inputs get. "
+        "Launch configuration: "
+        + (f"chosen in the same run: chunk `{meta['verify_config']}`" if meta["verify_config"]
+           else "chunk: the library defaults (chosen by earlier `--ours-only` tuning runs, gdn_kernels_tuning.log)")
+        + (f"; recurrent `{meta['recurrent_config']}` (chosen in the same run)" if meta.get("recurrent_config")
+           else "; recurrent: the library defaults")
+        + (f"; commit `{meta['commit_config']}`." if meta["commit_config"] else "; commit: the library defaults."),
         "- vLLM: `fused_sigmoid_gating_delta_rule_update` exactly as vLLM 0.26's Qwen GDN layer calls it "
         "when speculating (state slots [B, w], one state written per token; the round reads the slot of "
         "the previously accepted token, so vLLM's default mode needs no copy); vLLM+copy adds the copy of "
@@ -479,24 +545,42 @@ def render_markdown(meta, accuracy, results) -> str:
         "- fla: `chunk_gated_delta_rule` (fla-core 0.6.0), output + final state only (it cannot roll back "
         "to m < w), gates precomputed outside the graph.",
         "",
-        "| w | B | m | ours | verify | commit | ours, tf32x3 | vLLM | vLLM+copy | fla | floor | ours vs vLLM | ours / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    split = "recurrent" in results[0] if results else False
+    if split:
+        lines += [
+            "| w | B | m | ours | method | verify: chunk | verify: recurrent | commit | chunk, tf32x3 | vLLM | "
+            "vLLM+copy | fla | floor | ours vs vLLM | ours / floor | ours / launch floor |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            "| w | B | m | ours | verify | commit | ours, tf32x3 | vLLM | vLLM+copy | fla | floor | ours vs vLLM | ours / floor |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in results:
         fla = "-" if r["fla"] is None else f"{r['fla']:.4f}"
+        if split:
+            lines.append(
+                f"| {r['w']} | {r['B']} | {r['m']} | {r['ours']:.4f} | {r['method']} | {r['chunk_verify']:.4f} | "
+                f"{r['recurrent_verify']:.4f} | {r['ours_commit']:.4f} | {r['ours_tf32x3']:.4f} | {r['vllm']:.4f} | "
+                f"{r['vllm_copy']:.4f} | {fla} | {r['floor']:.4f} | {r['speedup_vs_vllm']:.2f}x | "
+                f"{r['x_floor']:.2f}x | {r['x_launch_floor']:.2f}x |")
+            continue
         lines.append(
             f"| {r['w']} | {r['B']} | {r['m']} | {r['ours']:.4f} | {r['ours_verify']:.4f} | "
             f"{r['ours_commit']:.4f} | {r.get('ours_tf32x3', float('nan')):.4f} | {r['vllm']:.4f} | {r['vllm_copy']:.4f} | {fla} | {r['floor']:.4f} | "
             f"{r['speedup_vs_vllm']:.2f}x | {r['x_floor']:.2f}x |")
     lines += ["", "Accuracy, checked before timing (largest relative Frobenius error over two rounds that "
               "commit w then ceil(w/2) and the reverse; layer 0):", "",
-              "| w | B | inputs | out vs fp64 | state vs fp64 | out vs vLLM | state vs vLLM |",
-              "|---|---|---|---|---|---|---|"]
+              "| w | B | kernel | inputs | out vs fp64 | state vs fp64 | out vs vLLM | state vs vLLM |",
+              "|---|---|---|---|---|---|---|---|"]
     for key, acc in accuracy.items():
-        w, B = key[1:].split("_B")
+        w, rest = key[1:].split("_B")
+        B, _, method = rest.partition("_")
         for dt, e in acc.items():
-            lines.append(f"| {w} | {B} | {dt} | {e['out_vs_fp64']:.1e} | {e['state_vs_fp64']:.1e} | "
-                         f"{e['out_vs_vllm']:.1e} | {e['state_vs_vllm']:.1e} |")
+            lines.append(f"| {w} | {B} | {method or 'chunk'} | {dt} | {e['out_vs_fp64']:.1e} | "
+                         f"{e['state_vs_fp64']:.1e} | {e['out_vs_vllm']:.1e} | {e['state_vs_vllm']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,11 @@ import triton
 import triton.language as tl
 
 MAX_VERIFY_LEN = 16
+# "auto" steps rounds of at most this many tokens through the recurrence on registers
+# (gdn_verify_recurrent_kernel) and solves longer ones chunkwise (gdn_verify_kernel); see gdn_verify
+RECURRENT_UP_TO = 16
+# launch defaults of each method (value rows per program, warps)
+LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 32, "num_warps": 4}}
 
 
 @triton.jit
@@ -167,6 +172,93 @@ def gdn_verify_kernel(
                 tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
 
 
+@triton.jit
+def gdn_verify_recurrent_kernel(
+    q, k, v, g_or_a, beta_or_b, A_log, dt_bias, state, state_indices, cu_seqlens,
+    o, z_out, k_out, g_out,
+    scale,
+    stride_state_slot,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, U: tl.constexpr, BU: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr,
+):
+    """The same outputs and compact factors as :func:`gdn_verify_kernel`, by stepping the recurrence
+    (Eq. 1) through the round on a register copy of the program's ``[BV, K]`` slice of ``S_0``.
+
+    For short rounds this is a shorter dependent chain than the triangular solve. Nothing about the
+    round is kept but what verification keeps anyway: ``S_0`` is read once and not written, no
+    per-token state reaches memory, and ``z_i = beta_i (v_i - alpha_i S_{i-1} k_i)`` are exactly the
+    compact factors the commit folds in. The steps of one program are sequential; all sequences,
+    heads and value blocks still run in parallel. Outputs and ``z`` are gathered in registers and
+    stored after the last step, so the loads of every step are free to be issued early. Rows
+    shorter than ``U`` run the missing steps with ``alpha = 1, beta = 0`` (a no-op) and mask them."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // HK)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    if (length <= 0) | (slot <= 0):
+        return
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BU)
+    m_v = o_v < V
+    h = tl.load(state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :],
+                mask=m_v[:, None], other=0.0)  # [BV, K] fp32 of S_0
+    if FUSED_GATING:
+        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    acc_o = tl.zeros([BV, BU], dtype=tl.float32)
+    acc_z = tl.zeros([BV, BU], dtype=tl.float32)
+    acc_g = tl.zeros([BU], dtype=tl.float32)
+    g_run = 0.0
+    for t in tl.static_range(U):
+        live = t < length
+        tok = bos + t
+        b_k = tl.load(k + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
+        b_q = tl.load(q + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v & live, other=0.0).to(tl.float32)
+        if FUSED_GATING:
+            x = tl.load(g_or_a + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32) + bias
+            softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+            b_g = tl.where(live, neg_a * softplus, 0.0)
+            b_beta = tl.where(live, tl.sigmoid(
+                tl.load(beta_or_b + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)), 0.0)
+        else:
+            b_g = tl.load(g_or_a + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        if USE_QK_L2NORM:
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_q = b_q * scale
+        g_run += b_g
+        h = h * tl.exp(b_g)
+        b_z = b_beta * (b_v - tl.sum(h * b_k[None, :], axis=1))  # [BV]
+        h += b_z[:, None] * b_k[None, :]
+        b_o = tl.sum(h * b_q[None, :], axis=1)  # [BV]
+        here = o_t[None, :] == t
+        acc_o = tl.where(here, b_o[:, None], acc_o)
+        acc_z = tl.where(here, b_z[:, None], acc_z)
+        acc_g = tl.where(o_t == t, g_run, acc_g)
+
+    m_t = o_t < length
+    tok = bos + o_t
+    m_vt = m_v[:, None] & m_t[None, :]
+    p_o = (tok[None, :] * HV + i_hv) * V + o_v[:, None]
+    tl.store(o + p_o, acc_o.to(o.dtype.element_ty), mask=m_vt)
+    tl.store(z_out + p_o, acc_z, mask=m_vt)
+    if i_v == 0:
+        tl.store(g_out + tok * HV + i_hv, acc_g, mask=m_t)
+        if i_hv % (HV // HK) == 0:
+            p_k = (tok[:, None] * HK + i_h) * K + o_k[None, :]
+            k_t = tl.load(k + p_k, mask=m_t[:, None], other=0.0).to(tl.float32)
+            if USE_QK_L2NORM:
+                k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=1) + 1e-6)[:, None]
+            tl.store(k_out + p_k, k_t, mask=m_t[:, None])
+
+
 @dataclass
 class VerifyFactors:
     """Compact factors of one layer's round for a batch (flattened tokens, as ``cu_seqlens``).
@@ -223,8 +315,8 @@ def gdn_verify(
     scale: float | None = None, use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
-    BV: int = 64, BK: int | None = None, num_warps: int = 4, precision: str = "auto",
-    series_from: int = MAX_VERIFY_LEN + 1,
+    BV: int | None = None, BK: int | None = None, num_warps: int | None = None, precision: str = "auto",
+    series_from: int = MAX_VERIFY_LEN + 1, method: str = "auto",
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -249,6 +341,12 @@ def gdn_verify(
             H200 (docs/benchmarks/gdn_kernels.md).
             ``series_from``: the round length from which the triangular inverse uses the product
             series instead of substitution (substitution measured faster at every length).
+            ``BV`` and ``num_warps`` default per method (:data:`LAUNCH_DEFAULTS`); ``BK``,
+            ``precision`` and ``series_from`` only concern "chunk".
+        method: "chunk" (the triangular solve of Eq. 3 over the whole round, all tokens in one set of
+            matrix products), "recurrent" (:func:`gdn_verify_recurrent_kernel`: the recurrence stepped
+            on a register copy of ``S_0``; the same outputs and factors, exact to fp32 rounding) or
+            "auto": "recurrent" for ``max_len <= RECURRENT_UP_TO``, else "chunk".
     Returns:
         ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
     """
@@ -265,21 +363,32 @@ def gdn_verify(
         out = torch.empty_like(v)
     if factors is None:
         factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
+    if method == "auto":
+        method = "recurrent" if max_len <= RECURRENT_UP_TO else "chunk"
+    if method not in LAUNCH_DEFAULTS:
+        raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
+    if precision not in ("auto", "tf32", "tf32x3", "ieee"):
+        raise ValueError(f"precision must be 'auto', 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
+    BV = min(BV or LAUNCH_DEFAULTS[method]["BV"], triton.next_power_of_2(V))
+    num_warps = num_warps or LAUNCH_DEFAULTS[method]["num_warps"]
+    grid = (triton.cdiv(V, BV), N * HV)
+    dummy = g
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            A_log if fused else dummy, dt_bias if fused else dummy,
+            state, state_indices, cu_seqlens,
+            out, factors.z, factors.k, factors.g_cum,
+            scale, state.stride(0))
+    if method == "recurrent":
+        gdn_verify_recurrent_kernel[grid](
+            *args, HK=HK, HV=HV, K=K, V=V, BV=BV, U=max_len, BU=max(2, triton.next_power_of_2(max_len)),
+            USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, num_warps=num_warps)
+        return out, factors
     if precision == "auto":
         precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
     if BK is None:
         BK = 128 if precision == "tf32" else 64
-    BV = min(BV, triton.next_power_of_2(V))
-    BK = min(BK, K)
-    grid = (triton.cdiv(V, BV), N * HV)
-    dummy = g
     gdn_verify_kernel[grid](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-        A_log if fused else dummy, dt_bias if fused else dummy,
-        state, state_indices, cu_seqlens,
-        out, factors.z, factors.k, factors.g_cum,
-        scale, state.stride(0),
-        HK=HK, HV=HV, K=K, V=V, BV=BV, BK=BK, U=max_len, BU=MAX_VERIFY_LEN,
+        *args, HK=HK, HV=HV, K=K, V=V, BV=BV, BK=min(BK, K), U=max_len, BU=MAX_VERIFY_LEN,
         USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision, SERIES_FROM=series_from,
         num_warps=num_warps,
     )

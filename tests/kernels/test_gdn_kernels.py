@@ -81,46 +81,90 @@ def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=
     return out_err, state_err
 
 
-@pytest.mark.parametrize("inverse", ["rows", "series"])
+# the verify kernels: chunkwise with either triangular inversion, and the recurrence on registers
+VARIANTS = {"rows": dict(method="chunk", series_from=17), "series": dict(method="chunk", series_from=0),
+            "recurrent": dict(method="recurrent")}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("u", list(range(2, 17)))
-def test_every_length_and_every_commit_count_fp32(u, inverse):
+def test_every_length_and_every_commit_count_fp32(u, variant):
     """u sequences of length u, sequence i commits m = i + 1: all m in 1..u, grouped heads;
-    both triangular inversions (substitution, product series)."""
+    both triangular inversions of the chunkwise kernel (substitution, product series) and the
+    recurrent kernel."""
     gen = torch.Generator().manual_seed(u)
-    series_from = 0 if inverse == "series" else 17
     out_err, state_err = _run_layers(gen, [u] * u, list(range(1, u + 1)), HK=2, HV=4, K=16, V=32,
-                                     dtype=torch.float32, series_from=series_from, BK=16)
+                                     dtype=torch.float32, BK=16, **VARIANTS[variant])
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
 @pytest.mark.parametrize("u", [2, 3, 5, 8, 11, 16])
-def test_lengths_bf16_inputs(u):
+def test_lengths_bf16_inputs(u, method):
     gen = torch.Generator().manual_seed(100 + u)
     commits = [1, max(1, u // 2), u]
     out_err, state_err = _run_layers(gen, [u] * 3, commits, HK=2, HV=4, K=32, V=32,
-                                     dtype=torch.bfloat16)
+                                     dtype=torch.bfloat16, method=method)
     assert out_err <= BF16_TOL and state_err <= BF16_TOL, (out_err, state_err)
 
 
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_varlen_batch_precomputed_and_fused_gates(fused):
+def test_varlen_batch_precomputed_and_fused_gates(fused, method):
     gen = torch.Generator().manual_seed(11 + fused)
     lengths = [16, 1, 7, 4, 13, 2]
     commits = [9, 1, 7, 1, 13, 2]
     out_err, state_err = _run_layers(gen, lengths, commits, HK=1, HV=3, K=16, V=16,
-                                     dtype=torch.float32, num_layers=3, fused=fused)
+                                     dtype=torch.float32, num_layers=3, fused=fused, method=method)
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
-def test_full_head_dims_and_strong_decay():
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
+def test_full_head_dims_and_strong_decay(method):
     """The 35B shape's 128 x 128 heads (4 value blocks of 32), with decays down to e^-50."""
     gen = torch.Generator().manual_seed(5)
     out_err, state_err = _run_layers(gen, [16, 9], [5, 9], HK=1, HV=2, K=128, V=128,
-                                     dtype=torch.float32, strong_decay=True, num_layers=1, BK=64)
+                                     dtype=torch.float32, strong_decay=True, num_layers=1, BK=64,
+                                     method=method)
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
-def test_round_after_round_matches_recurrence():
+def test_auto_method_picks_by_round_length(monkeypatch):
+    """"auto" runs the recurrent kernel up to RECURRENT_UP_TO tokens and the chunkwise one above;
+    both give the reference's outputs, and an unknown method is refused by name."""
+    from vllm_hybridspec.kernels.gdn import verify
+
+    launched = []
+    for name in ("gdn_verify_kernel", "gdn_verify_recurrent_kernel"):
+        kernel = getattr(verify, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launched.append(self.name)
+                return self.kernel[grid]
+
+        monkeypatch.setattr(verify, name, Spy(kernel, name))
+    monkeypatch.setattr(verify, "RECURRENT_UP_TO", 4)
+    for u, expected in ((4, "gdn_verify_recurrent_kernel"), (5, "gdn_verify_kernel")):
+        launched.clear()
+        gen = torch.Generator().manual_seed(40 + u)
+        out_err, state_err = _run_layers(gen, [u, u - 1], [u, 1], HK=1, HV=2, K=16, V=16,
+                                         dtype=torch.float32, num_layers=1)
+        assert launched == [expected], (u, launched)
+        assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
+    r = random_round(torch.Generator().manual_seed(1), [2], 1, 2, 16, 16)
+    pool = random_states(torch.Generator().manual_seed(2), 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="'blocked'"):
+        gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias, state=pool,
+                   state_indices=torch.tensor([1], dtype=torch.int32), cu_seqlens=r.cu_seqlens,
+                   max_len=2, method="blocked")
+
+
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
+def test_round_after_round_matches_recurrence(method):
     """Two consecutive rounds (commit m, then verify from the committed state) as in decoding."""
     gen = torch.Generator().manual_seed(21)
     HK, HV, K, V = 1, 2, 16, 16
@@ -131,7 +175,8 @@ def test_round_after_round_matches_recurrence():
     for u, m in ((8, 3), (5, 5), (16, 1)):
         r = random_round(gen, [u], HK, HV, K, V)
         o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
-                          state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=u)
+                          state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=u,
+                          method=method)
         g, beta = r.gates()
         o_ref, states = recurrent_gated_delta_rule(r.q.double(), r.k.double(), r.v.double(),
                                                    g, beta, S)
@@ -143,7 +188,8 @@ def test_round_after_round_matches_recurrence():
     assert max(errs) <= FP32_TOL, errs
 
 
-def test_null_slot_and_zero_commit_are_skipped():
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
+def test_null_slot_and_zero_commit_are_skipped(method):
     gen = torch.Generator().manual_seed(8)
     HK, HV, K, V = 1, 2, 16, 16
     r = random_round(gen, [4, 4], HK, HV, K, V)
@@ -152,7 +198,8 @@ def test_null_slot_and_zero_commit_are_skipped():
     idx = torch.tensor([0, 2], dtype=torch.int32)  # sequence 0 points at vLLM's null block
     out, f = _poisoned_outputs(r, HK, HV, K, V)
     o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
-                      state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=4, out=out)
+                      state=pool, state_indices=idx, cu_seqlens=r.cu_seqlens, max_len=4, out=out,
+                      method=method)
     assert torch.isnan(o[:4]).all() and not torch.isnan(o[4:]).any()
     stacked = VerifyFactors(f.z[None], f.k[None], f.g_cum[None])
     gdn_commit([pool], stacked, r.cu_seqlens, idx, torch.tensor([3, 0], dtype=torch.int32))
