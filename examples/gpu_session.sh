@@ -23,8 +23,10 @@
 #   bash examples/gpu_session.sh profile    # 35B shape: torch.profiler of plain steps and H-Spec w = 1 rounds
 #   bash examples/gpu_session.sh graphs     # the drafter's CUDA graphs vs eager rounds, no engine (seconds)
 #   bash examples/gpu_session.sh calib-35b  # 35B-shape cost file + policy (issue 6)
-#   bash examples/gpu_session.sh record-35b, then bench-35b-{plain,all,sel,dyn}
-#                                           # issue 7 (b): 35B shape, replayed acceptance, C = 1, 4
+#   bash examples/gpu_session.sh bench-35b-switch / bench-35b-plain (or -all, -sel, -dyn)
+#                                           # issue 7 (b, c): 35B shape, replayed acceptance, C = 1..128;
+#                                           # -switch: one server, four settings of its length selector
+#   bash examples/gpu_session.sh bench-gdn  # issue 2: the kernel table (examples/bench_gdn_kernels.py)
 #   bash examples/gpu_session.sh bench-dense / bench-hybrid
 #                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
 #                                           # reference model, C = 1,4,16,64, each config, + report
@@ -213,25 +215,43 @@ tp2-35b)
     --config hspec_sel="{$HS, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"docs/benchmarks/h200-2026-12-01/eval-35b/policy.json\", \"gate\": false}}" \
     --out "$R/compare-35b-tp2.json"
   ;;
-bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
-  # issue 7 (b): closed loop at C = 1, 4 against `vllm serve` of the 35B shape (dummy weights), replayed
-  # acceptance (replay_bench: the reference drafter's round records); after record-35b (-sel: POLICY=<policy
-  # file>, default the 35B policy fitted by eval-35b on 2026-12-01)
+bench-gdn)
+  # issue 2: the kernel table (ours: chunkwise and recurrent verify + the one-launch commit; vLLM's
+  # per-token-state path; fla), accuracy checked first, launch and bandwidth floors measured in the run
+  run bench-gdn python3 examples/bench_gdn_kernels.py --no-tune --tune-recurrent \
+    --out "$R/gdn_kernels.md" --json "$R/gdn_kernels.json"
+  grep -E "^(w=|tune recurrent: best|launch floor|device|ACCURACY|done)" "$R/bench-gdn.log"
+  ;;
+bench-35b-switch|bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
+  # issue 7 (b, c): closed loop against `vllm serve` of the 35B shape (dummy weights), replayed acceptance
+  # (replay_bench: the reference drafter's round records, the greedy continuations committed by eval-35b on
+  # 2026-12-01). -switch: ONE speculative server, its length selector switched in place between sweeps
+  # (vllm_hybridspec.control): drafting off, every draft verified, the committed 35B policy with and without
+  # its batch gate. -plain: the same server without speculation. -all/-sel/-dyn: one server per setting.
+  [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
   CFG="${STAGE#bench-35b-}"
+  CONT=docs/benchmarks/h200-2026-12-01/eval-35b/continuations.jsonl
+  python3 -c "import json, sys; [print(json.dumps({'prompt': json.loads(l)['prompt_token_ids']})) for l in open(sys.argv[1])]" "$CONT" > /tmp/prompts_35b.jsonl
   POLICY="${POLICY:-docs/benchmarks/h200-2026-12-01/eval-35b/policy.json}"
-  REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"/tmp/cont_35b.jsonl\", \"seed\": 0}"
-  SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs 8 --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}'"
+  LEVELS="${LEVELS:-1,4,16,64,128}"
+  REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"$CONT\", \"seed\": 0}"
+  SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs 128 --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}' --compilation-config '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 32, 64, 128]}'"
+  SWITCH=()
   case "$CFG" in
     plain) SPEC="" ;;
+    switch) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}"
+            SWITCH=(--switch 'off={"drafting": false}' --switch 'all={}' --switch "sel={\"policy\": \"$POLICY\"}"
+                    --switch "sel-nogate={\"policy\": \"$POLICY\", \"gate\": false}") ;;
     all) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}" ;;
-    # the committed policy's gate is off at B = 1 and 4 (one-slot spec steps were host-bound): at C = 1, 4
-    # this measures what HybridSpec then runs, the plain decode path of the speculative engine
     sel) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"$POLICY\"}}" ;;
     dyn) SPEC="{$REPLAY, \"num_speculative_tokens_per_batch_size\": [[1, 2, 7], [3, 8, 3]]}" ;;
   esac
   cmd="$SERVE"; [ -n "$SPEC" ] && cmd="$cmd --speculative-config '$SPEC'"
   run "bench-$CFG" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts /tmp/prompts_35b.jsonl \
-    --concurrency 1,4 --num-requests 16 --output-len 128 --label "35b-$CFG" --repeats "${REPEATS:-3}" --no-progress -o "$R/35b-$CFG.json"
+    --concurrency "$LEVELS" --output-len 128 --label "35b-$CFG" --repeats "${REPEATS:-1}" --no-progress \
+    -o "$R/35b-$CFG.json" "${SWITCH[@]}"
+  grep -E "^(C=|[a-z-]+:$)|switched|error" "$R/bench-$CFG.log" | head -40
+  grep -hE "GPU KV cache size|Maximum concurrency|left its recorded" "$R"/*.server.log | head -8
   ;;
 bench-dense|bench-hybrid)
   KIND="${STAGE#bench-}"

@@ -740,3 +740,13 @@ def in_process_drafter(llm):
         raise RuntimeError(f"vLLM changed: {type(executor).__name__}.driver_worker.worker.model_runner not found "
                            f"(written for vLLM {SUPPORTED_VLLM}; one worker, in-process engines only)")
     return getattr(runner, "drafter", None)
+
+
+def worker_drafter(worker):
+    """The proposer of a model runner inside a worker process (``Worker.model_runner.drafter``), for
+    methods that a ``--worker-extension-cls`` adds to vLLM's ``Worker`` (``vllm_hybridspec.control``)."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or not hasattr(runner, "drafter"):
+        raise RuntimeError(f"vLLM changed: {type(worker).__name__}.model_runner.drafter not found "
+                           f"(written for vLLM {SUPPORTED_VLLM})")
+    return runner.drafter

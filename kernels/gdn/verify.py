@@ -11,6 +11,12 @@ row-by-row substitution (``u - 1`` cheap steps on registers) and the product ser
 ``H^{-1} = (I + X + X^2 + X^3)(I + X^4 + X^8 + X^12)`` (``X = I - H`` is nilpotent for ``u <= 16``;
 five matrix products deep).  The maximal round length ``U`` is a compile-time constant, so every
 length 2..16 gets its own specialisation and short rounds skip the work they do not need.
+
+A second kernel, :func:`gdn_verify_recurrent_kernel`, gives the same outputs and factors by stepping
+the recurrence on a register copy of the program's slice of ``S_0`` (read once, never written; no
+per-token state reaches memory). Its dependent chain is ``u`` short steps instead of the solve's
+matrix products, which wins for short rounds; ``gdn_verify(method="auto")`` picks by round length
+(``RECURRENT_UP_TO``, set from the H200 measurements in docs/benchmarks/gdn_kernels.md).
 """
 
 from __future__ import annotations

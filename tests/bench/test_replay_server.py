@@ -38,27 +38,60 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
     assert record.returncode == 0, record.stderr[-3000:]
     assert "recorded 16 greedy continuations of 48 + 3 tokens" in record.stdout
 
-    replay = {"method": "replay_bench", "num_speculative_tokens": K,
+    replay = {"method": "replay_bench", "num_speculative_tokens": K, "hybridspec": {},
               "replay_bench": {"records": str(tmp_path / "rounds.jsonl"), "continuations": str(cont), "seed": seed}}
     serve = shlex.join(serve_command(tiny_target, free_port(), "--dtype", "float32",
                                      "--speculative-config", json.dumps(replay)))
     out = tmp_path / "replay.json"
+    # one server, three settings of its length selector switched in place (vllm_hybridspec.control):
+    # every draft verified, two tokens per round (one draft), drafting off
+    switches = ["all={}", 'w2={"fixed_length": 2}', 'off={"drafting": false}']
     run = subprocess.run([*HYBRIDSPEC, "bench", "--serve", serve, "--prompts", str(token_prompts),
                           "--concurrency", "1,4", "--num-requests", "8", "--warmup", "2",
-                          "--output-len", str(OUTPUT_LEN), "-o", str(out)],
+                          "--output-len", str(OUTPUT_LEN), "-o", str(out),
+                          *[a for sw in switches for a in ("--switch", sw)]],
                          env=server_env(), capture_output=True, text=True, timeout=800, check=False)
     log = (tmp_path / "replay.server.log").read_text()
     print(run.stdout, run.stderr[-2000:], sep="\n")
     assert run.returncode == 0
     assert "left its recorded greedy continuation" not in log
-    doc = json.loads(out.read_text())
-    for lv in doc["levels"]:
+    for name, expected in (("all", np.minimum(accepted, K)), ("w2", np.minimum(accepted, 1))):
+        doc = json.loads((tmp_path / f"replay-{name}.json").read_text())
+        assert doc["config"]["label"] == f"replay-{name}" and doc["config"]["switch"]["label"] == name
+        for lv in doc["levels"]:
+            assert (lv["completed"], lv["failed"]) == (8, 0) and lv["output_tokens"] == 8 * OUTPUT_LEN
+            sd = lv["spec_decode"]
+            mean = sd["num_accepted_tokens"] / sd["num_drafts"]
+            bound = 4 * max(expected.std(), 0.05) / math.sqrt(sd["num_drafts"])
+            print(f"{name} C = {lv['concurrency']}: {sd}; accepted per draft {mean:.3f}, records "
+                  f"{expected.mean():.3f} +- {bound:.3f}; acceptance length {lv['mean_acceptance_length']:.3f}")
+            if name == "all":  # every draft, but never past a request's output budget (its last rounds)
+                assert (K - 1) * sd["num_drafts"] < sd["num_draft_tokens"] <= K * sd["num_drafts"]
+            else:
+                assert sd["num_draft_tokens"] == sd["num_drafts"]
+            assert abs(mean - expected.mean()) < bound
+            assert lv["mean_acceptance_length"] == pytest.approx(1 + mean)
+    off = json.loads((tmp_path / "replay-off.json").read_text())
+    for lv in off["levels"]:
         assert (lv["completed"], lv["failed"]) == (8, 0) and lv["output_tokens"] == 8 * OUTPUT_LEN
-        sd = lv["spec_decode"]
-        mean = sd["num_accepted_tokens"] / sd["num_drafts"]
-        bound = 4 * pool.std() / math.sqrt(sd["num_drafts"])
-        print(f"C = {lv['concurrency']}: {sd}; accepted per draft {mean:.3f}, records {pool.mean():.3f} "
-              f"+- {bound:.3f}; acceptance length {lv['mean_acceptance_length']:.3f}")
-        assert sd["num_draft_tokens"] == K * sd["num_drafts"]
-        assert abs(mean - pool.mean()) < bound
-        assert lv["mean_acceptance_length"] == pytest.approx(1 + mean)
+        assert lv["spec_decode"].get("num_drafts", 0) == 0, lv["spec_decode"]
+    assert "switched the server to w2 = {\"fixed_length\": 2}" in run.stderr
+
+
+def test_switch_options_and_refusals_name_the_bad_value(tmp_path):
+    """--switch values are checked before any server starts; a server without the development endpoint
+    or one that refuses an option gives one clear error line."""
+    from vllm_hybridspec.bench.server import ServerError, switch_server
+    from vllm_hybridspec.control import parse_switch_options
+
+    assert parse_switch_options('{"fixed_length": 3, "gate": false}') == {"fixed_length": 3, "gate": False}
+    with pytest.raises(ValueError, match=r"unknown switch option\(s\) \['lenght'\]"):
+        parse_switch_options('{"lenght": 3}')
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_switch_options("{fixed_length: 3}")
+    run = subprocess.run([*HYBRIDSPEC, "bench", "--url", "http://127.0.0.1:9", "--prompts", "/dev/null",
+                          "--switch", "w 4={}", "-o", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and "--switch 'w 4={}'" in run.stderr
+    with pytest.raises(ServerError, match="unreachable"):
+        switch_server(f"http://127.0.0.1:{free_port()}", {"fixed_length": 2}, timeout=5)

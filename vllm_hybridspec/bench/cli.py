@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -11,7 +12,7 @@ import typer
 from vllm_hybridspec.bench.loadgen import BenchAborted, BenchConfig, run_bench
 from vllm_hybridspec.bench.prompts import load_prompts
 from vllm_hybridspec.bench.report import write_report
-from vllm_hybridspec.bench.server import ManagedServer, ServerError, url_from_command
+from vllm_hybridspec.bench.server import ManagedServer, ServerError, switch_server, url_from_command
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -22,6 +23,32 @@ def _concurrencies(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise typer.BadParameter(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,4,16,64,128.")
     return values
+
+
+def _switches(values: list[str] | None) -> list[tuple[str, dict]]:
+    """``LABEL=OPTIONS`` pairs of --switch, in order."""
+    from vllm_hybridspec.control import parse_switch_options
+
+    out = []
+    for value in values or []:
+        label, sep, text = value.partition("=")
+        label = label.strip()
+        if not sep or not label or not label.replace("-", "").replace("_", "").isalnum():
+            raise typer.BadParameter(f"--switch {value!r}: expected LABEL=OPTIONS with a label of letters, digits, "
+                                     "'-' or '_', e.g. 'all={}' or 'w4={\"fixed_length\": 4}'")
+        try:
+            out.append((label, parse_switch_options(text or "{}")))
+        except ValueError as e:
+            raise typer.BadParameter(f"--switch {value!r}: {e}") from None
+    if len({label for label, _ in out}) != len(out):
+        raise typer.BadParameter(f"--switch labels must differ, got {[label for label, _ in out]}")
+    return out
+
+
+def _with_worker_extension(command: str) -> str:
+    from vllm_hybridspec.control import WORKER_EXTENSION
+
+    return command if "--worker-extension-cls" in command else f"{command} --worker-extension-cls {WORKER_EXTENSION}"
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -53,10 +80,15 @@ def bench(
     progress: bool = typer.Option(True, help="progress bar per level"),
     repeats: int = typer.Option(1, min=1, help="measured runs of --num-requests per level, back to back (after one "
                                 "warm-up): the report gives their tokens/s spread"),
+    switch: list[str] = typer.Option(None, "--switch", help="LABEL=OPTIONS (repeatable): run the whole sweep once per "
+                                     "setting of the server's length selector, switched in place between sweeps "
+                                     "(vllm_hybridspec.control; OPTIONS: JSON with fixed_length, policy, gate, "
+                                     "batched, drafting; {} verifies every draft); results in OUT-LABEL.json"),
 ) -> None:
     """Closed-loop load: C clients each send their next streamed completion as soon as the previous one
     finishes, for each C; throughput, latency, acceptance length and KV usage per C, as JSON."""
     levels = _concurrencies(concurrency)
+    switches = _switches(switch)
     if output_len < 1:
         raise typer.BadParameter(f"--output-len must be at least 1, got {output_len}.")
     try:
@@ -68,22 +100,42 @@ def bench(
                       output_len=output_len, ignore_eos=not eos, model=model, label=label or out.stem,
                       request_timeout=request_timeout, level_timeout=level_timeout,
                       metrics_interval=metrics_interval, repeats=repeats)
+    if serve and switches:
+        serve = _with_worker_extension(serve)
     meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list)}
+    runs = [(None, {}, out, cfg)] if not switches else [
+        (name, options, out.with_name(f"{out.stem}-{name}{out.suffix or '.json'}"),
+         replace(cfg, label=f"{cfg.label}-{name}")) for name, options in switches]
+    docs, current = [], out
     try:
         with ExitStack() as stack:
             server = None
             if serve:
                 log = out.with_name(out.stem + ".server.log")
                 typer.echo(f"starting the server (log: {log}) and waiting for {base_url}/health", err=True)
-                server = stack.enter_context(ManagedServer(serve, base_url, log, serve_timeout))
-            doc = run_bench(cfg, prompt_list, out, meta=meta,
-                            server_alive=(lambda: server.alive) if server else None, progress=progress)
+                env = {"VLLM_SERVER_DEV_MODE": "1"} if switches else None
+                server = stack.enter_context(ManagedServer(serve, base_url, log, serve_timeout, env=env))
+            for name, options, current, run_cfg in runs:
+                run_meta = meta
+                if name is not None:
+                    answers = switch_server(base_url, options)
+                    typer.echo(f"switched the server to {name} = {json.dumps(options)}", err=True)
+                    run_meta = {**meta, "switch": {"label": name, "options": options, "answers": answers}}
+                docs.append(run_bench(run_cfg, prompt_list, current, meta=run_meta,
+                                      server_alive=(lambda: server.alive) if server else None, progress=progress))
     except ServerError as e:
         _fail(str(e))
     except BenchAborted as e:
-        _fail(f"{e}; partial results in {out}")
+        _fail(f"{e}; partial results in {current}")
     except KeyboardInterrupt:
-        _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130)
+        _fail(f"interrupted{'; partial results in ' + str(current) if current.exists() else ''}", 130)
+    for (name, _, path, _), doc in zip(runs, docs):
+        if name is not None:
+            typer.echo(f"{name}:")
+        _print_levels(doc, path)
+
+
+def _print_levels(doc: dict, out: Path) -> None:
     for lv in doc["levels"]:
         spread = lv.get("output_throughput_spread")
         spread = f" [{_num(spread['min'])}-{_num(spread['max'])} over {len(spread['repeats'])} runs]" if spread else ""

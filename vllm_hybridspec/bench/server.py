@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -49,8 +50,10 @@ class ManagedServer:
     KeyboardInterrupt included.
     """
 
-    def __init__(self, command: str, base_url: str, log_path: Path, startup_timeout: float = 600.0):
+    def __init__(self, command: str, base_url: str, log_path: Path, startup_timeout: float = 600.0,
+                 env: dict[str, str] | None = None):
         self.argv = shlex.split(command)
+        self.env = None if env is None else {**os.environ, **env}
         if not self.argv:
             raise ServerError("The --serve command line is empty; expected e.g. 'vllm serve MODEL'.")
         self.base_url, self.log_path, self.startup_timeout = base_url, Path(log_path), startup_timeout
@@ -61,7 +64,7 @@ class ManagedServer:
         self._log = self.log_path.open("wb")
         try:
             self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
         except OSError as e:
             self._log.close()
             raise ServerError(f"Could not start {self.argv[0]!r}: {e}.") from None
@@ -112,3 +115,35 @@ class ManagedServer:
             self.proc.wait()
         if not self._log.closed:
             self._log.close()
+
+
+def switch_server(base_url: str, options: dict, timeout: float = 120.0) -> list[dict]:
+    """Set the length selector of every worker of a running server (``vllm_hybridspec.control``) through
+    vLLM's ``/collective_rpc``; returns each worker's answer. Raises :class:`ServerError` saying what is
+    missing (the development endpoint, the worker extension) or the option the server refused."""
+    from vllm_hybridspec.control import CONFIGURE_METHOD, WORKER_EXTENSION
+
+    body = json.dumps({"method": CONFIGURE_METHOD, "kwargs": {"options": json.dumps(options)}}).encode()
+    request = urllib.request.Request(f"{base_url}/collective_rpc", data=body,
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    hint = (f"start the server with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION} "
+            "(--serve adds both when --switch is given)")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            answer = json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        if e.code == 404:
+            raise ServerError(f"{base_url} has no /collective_rpc endpoint: {hint}.") from None
+        raise ServerError(f"switching {options} failed: HTTP {e.code} from {base_url}/collective_rpc: {detail} "
+                          f"(does the server have the worker extension? {hint})") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ServerError(f"switching {options} failed: {base_url}/collective_rpc unreachable: {e}") from None
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not results:
+        raise ServerError(f"switching {options}: unexpected answer from {base_url}/collective_rpc: {answer!r}")
+    for i, res in enumerate(results):
+        if not isinstance(res, dict) or not res.get("ok"):
+            error = res.get("error") if isinstance(res, dict) else res
+            raise ServerError(f"the server refused switch options {options} (worker {i}): {error}")
+    return results
