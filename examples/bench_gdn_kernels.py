@@ -488,14 +488,20 @@ def main(argv=None) -> int:
     return 0
 
 
+def verify_rule() -> str:
+    from vllm_hybridspec.kernels.gdn import verify
+
+    return ", ".join(f"{w} from {n} sequence{'s' if n > 1 else ''}" for n, w in sorted(verify.RECURRENT_UP_TO.items()))
+
+
 def with_default(row: dict) -> dict:
     """Fill ``ours`` (the round of the method ``gdn_verify``'s "auto" picks for this length, with the
-    library's current RECURRENT_UP_TO) and the ratios from it. Rows of runs before the recurrent
+    library's current ``recurrent_up_to``) and the ratios from it. Rows of runs before the recurrent
     kernel existed keep their ``ours`` (the chunkwise kernel)."""
     from vllm_hybridspec.kernels.gdn import verify
 
     if "recurrent" in row:
-        row["method"] = "recurrent" if row["w"] <= verify.RECURRENT_UP_TO else "chunk"
+        row["method"] = "recurrent" if row["w"] <= verify.recurrent_up_to(row["B"]) else "chunk"
         row["ours"] = row[row["method"]]
         row["ours_verify"] = row[f"{row['method']}_verify"]
     row["speedup_vs_vllm"] = row["vllm"] / row["ours"]
@@ -530,7 +536,7 @@ def render_markdown(meta, accuracy, results) -> str:
         "products, Eq. 3, with the default `precision=\"auto\"`: tf32 products for these bf16 inputs) and "
         "'recurrent' (the recurrence stepped on a register copy of S0, no state written; fp32 arithmetic). "
         "The 'ours' column is the method the library's `method=\"auto\"` picks at that length "
-        "(recurrent for w <= RECURRENT_UP_TO, else chunk); the verify columns time each kernel alone. "
+        f"(recurrent for w <= {verify_rule()}, else chunk); the verify columns time each kernel alone. "
         "'chunk, tf32x3' is the chunkwise round with fp32-accurate products, what fp32 inputs get. "
         "Launch configuration: "
         + (f"chosen in the same run: chunk `{meta['verify_config']}`" if meta["verify_config"]

@@ -16,7 +16,7 @@ A second kernel, :func:`gdn_verify_recurrent_kernel`, gives the same outputs and
 the recurrence on a register copy of the program's slice of ``S_0`` (read once, never written; no
 per-token state reaches memory). Its dependent chain is ``u`` short steps instead of the solve's
 matrix products, which wins for short rounds; ``gdn_verify(method="auto")`` picks by round length
-(``RECURRENT_UP_TO``, set from the H200 measurements in docs/benchmarks/gdn_kernels.md).
+and batch (``RECURRENT_UP_TO``, set from the H200 measurements in docs/benchmarks/gdn_kernels.md).
 """
 
 from __future__ import annotations
@@ -28,11 +28,21 @@ import triton
 import triton.language as tl
 
 MAX_VERIFY_LEN = 16
-# "auto" steps rounds of at most this many tokens through the recurrence on registers
-# (gdn_verify_recurrent_kernel) and solves longer ones chunkwise (gdn_verify_kernel); see gdn_verify
-RECURRENT_UP_TO = 16
-# launch defaults of each method (value rows per program, warps)
-LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 32, "num_warps": 4}}
+# "auto" steps rounds of at most RECURRENT_UP_TO[n] tokens through the recurrence on registers
+# (gdn_verify_recurrent_kernel), n the largest key <= the number of sequences, and solves longer ones
+# chunkwise (gdn_verify_kernel). Measured on the H200 at the 35B shape (docs/benchmarks/gdn_kernels.md,
+# 2026-12-01): the recurrent round is faster up to w = 4 for one sequence, and only at w = 2 for four
+# (w = 3 is a tie); lengths past 4 are 1.6-3.3x faster chunkwise.
+RECURRENT_UP_TO = {1: 4, 2: 2}
+# launch defaults of each method (value rows per program, warps); recurrent: the fastest of seven
+# candidates summed over w = 2, 8, 16 and one and four sequences in that run
+LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 8, "num_warps": 1}}
+
+
+def recurrent_up_to(num_seqs: int) -> int:
+    """The longest round ``method="auto"`` verifies with the recurrent kernel for ``num_seqs`` sequences."""
+    keys = [n for n in RECURRENT_UP_TO if n <= num_seqs]
+    return RECURRENT_UP_TO[max(keys)] if keys else RECURRENT_UP_TO[min(RECURRENT_UP_TO)]
 
 
 @triton.jit
@@ -352,7 +362,7 @@ def gdn_verify(
         method: "chunk" (the triangular solve of Eq. 3 over the whole round, all tokens in one set of
             matrix products), "recurrent" (:func:`gdn_verify_recurrent_kernel`: the recurrence stepped
             on a register copy of ``S_0``; the same outputs and factors, exact to fp32 rounding) or
-            "auto": "recurrent" for ``max_len <= RECURRENT_UP_TO``, else "chunk".
+            "auto": "recurrent" for ``max_len <= recurrent_up_to(N)``, else "chunk".
     Returns:
         ``(o, factors)``: ``o`` ``[T, HV, V]`` in ``v.dtype`` and the round's :class:`VerifyFactors`.
     """
@@ -370,7 +380,7 @@ def gdn_verify(
     if factors is None:
         factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
     if method == "auto":
-        method = "recurrent" if max_len <= RECURRENT_UP_TO else "chunk"
+        method = "recurrent" if max_len <= recurrent_up_to(N) else "chunk"
     if method not in LAUNCH_DEFAULTS:
         raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
     if precision not in ("auto", "tf32", "tf32x3", "ieee"):

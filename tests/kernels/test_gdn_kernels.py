@@ -129,9 +129,10 @@ def test_full_head_dims_and_strong_decay(method):
     assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
 
 
-def test_auto_method_picks_by_round_length(monkeypatch):
-    """"auto" runs the recurrent kernel up to RECURRENT_UP_TO tokens and the chunkwise one above;
-    both give the reference's outputs, and an unknown method is refused by name."""
+def test_auto_method_picks_by_round_length_and_batch(monkeypatch):
+    """"auto" runs the recurrent kernel up to RECURRENT_UP_TO[n] tokens (n: the largest key <= the
+    number of sequences) and the chunkwise one above; both give the reference's outputs, and an
+    unknown method is refused by name."""
     from vllm_hybridspec.kernels.gdn import verify
 
     launched = []
@@ -147,13 +148,14 @@ def test_auto_method_picks_by_round_length(monkeypatch):
                 return self.kernel[grid]
 
         monkeypatch.setattr(verify, name, Spy(kernel, name))
-    monkeypatch.setattr(verify, "RECURRENT_UP_TO", 4)
-    for u, expected in ((4, "gdn_verify_recurrent_kernel"), (5, "gdn_verify_kernel")):
+    monkeypatch.setattr(verify, "RECURRENT_UP_TO", {1: 4, 2: 2})
+    assert [verify.recurrent_up_to(n) for n in (1, 2, 3, 8)] == [4, 2, 2, 2]
+    for lengths, expected in (([4], "recurrent"), ([5], "chunk"), ([2, 1], "recurrent"), ([3, 2, 1], "chunk")):
         launched.clear()
-        gen = torch.Generator().manual_seed(40 + u)
-        out_err, state_err = _run_layers(gen, [u, u - 1], [u, 1], HK=1, HV=2, K=16, V=16,
+        gen = torch.Generator().manual_seed(40 + sum(lengths))
+        out_err, state_err = _run_layers(gen, lengths, [1] * len(lengths), HK=1, HV=2, K=16, V=16,
                                          dtype=torch.float32, num_layers=1)
-        assert launched == [expected], (u, launched)
+        assert launched == [f"gdn_verify_{expected}_kernel".replace("_chunk", "")], (lengths, launched)
         assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
     r = random_round(torch.Generator().manual_seed(1), [2], 1, 2, 16, 16)
     pool = random_states(torch.Generator().manual_seed(2), 2, 2, 16, 16)
