@@ -163,6 +163,26 @@ def test_symbols_the_length_trimming_relies_on_keep_their_shape():
     assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
 
 
+def test_symbols_the_dynamic_draft_count_relies_on_keep_their_shape():
+    """vLLM passes the dynamic K to its own proposers but not to a custom_class one (else the patch is
+    moot), the field it comes from exists, and the runner method takes the scheduler output first."""
+    import inspect
+
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "num_spec_tokens_to_schedule" in {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    assert list(inspect.signature(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).parameters)[:2] == [
+        "self", "scheduler_output"]
+    source = inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).replace(" ", "")
+    assert "num_spec_tokens_to_schedule=scheduler_output.num_spec_tokens_to_schedule" in source
+    custom = source.split('elifspec_config.method=="custom_class":', 1)[1].split("elif", 1)[0]
+    assert "num_spec_tokens_to_schedule" not in custom
+    assert callable(SpeculativeConfig.uses_dynamic_speculative_decoding)
+    assert "self.speculative_config = " in inspect.getsource(GPUModelRunner.__init__)
+
+
 class _Selector:
     active = True
 

@@ -43,6 +43,7 @@ def register() -> None:
     from vllm_hybridspec.vllm_internals import (
         patch_cpu_expand_batch_to_tokens,
         patch_cpu_moe_kernel_choice,
+        patch_custom_class_dynamic_draft_count,
         patch_runner_dflash_proposer,
         patch_runner_length_trimming,
         patch_v2_runner_unsupported,
@@ -55,6 +56,7 @@ def register() -> None:
     patch_v2_runner_unsupported(spec_config.is_hspec_speculative_config)
     patch_runner_dflash_proposer(RunnerDFlashProposer)
     patch_runner_length_trimming()
+    patch_custom_class_dynamic_draft_count()
     _install_capture()
     patch_cpu_expand_batch_to_tokens()
     patch_cpu_moe_kernel_choice()

@@ -750,3 +750,30 @@ def worker_drafter(worker):
         raise RuntimeError(f"vLLM changed: {type(worker).__name__}.model_runner.drafter not found "
                            f"(written for vLLM {SUPPORTED_VLLM})")
     return runner.drafter
+
+
+def patch_custom_class_dynamic_draft_count() -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`` so that a
+    ``"custom_class"`` proposer with a ``draft_limit`` attribute gets the step's
+    ``SchedulerOutput.num_spec_tokens_to_schedule`` in it before ``propose`` runs.
+
+    Why: vLLM 0.26's dynamic speculative decoding (``num_speculative_tokens_per_batch_size``) lets the
+    scheduler choose K per step from the batch size and passes it to the ngram, suffix, Medusa and
+    EAGLE/DFlash proposers (``num_speculative_tokens=num_spec_tokens_to_schedule``), but not to a
+    ``custom_class`` proposer, whose ``propose`` has no such argument. Without this, the replay proposer
+    (``bench/replay_proposer.py``) would ignore the schedule. Only engines that use dynamic speculative
+    decoding set the limit (elsewhere the field is the fixed K)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            spec = getattr(self, "speculative_config", None)
+            if (drafter is not None and hasattr(drafter, "draft_limit") and spec is not None
+                    and spec.uses_dynamic_speculative_decoding()):
+                drafter.draft_limit = int(scheduler_output.num_spec_tokens_to_schedule)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return propose_draft_token_ids
+
+    _wrap_once(GPUModelRunner, "propose_draft_token_ids", make)

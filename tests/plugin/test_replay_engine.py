@@ -180,3 +180,24 @@ def test_records_shorter_than_k_fail_at_engine_start(target_dir, replay_setup):
     with pytest.raises(ValueError, match=rf"D = {D} draft tokens, but the replay proposes K = "
                                          rf"num_speculative_tokens = {D + 1}"):
         make_llm(target_dir, config)
+
+
+def test_replay_under_vllms_dynamic_speculative_decoding(target_dir, replay_setup):
+    """vLLM's own dynamic speculative decoding (the issue-7 baseline `num_speculative_tokens_per_batch_size`)
+    runs with the replay proposer: the scheduler verifies one draft token per request in batches of 3 to
+    8, and the output is still plain decoding's."""
+    s = replay_setup
+    config = {**spec(s), "num_speculative_tokens_per_batch_size": [[1, 2, K], [3, 8, 1]]}
+    llm = make_llm(target_dir, config, disable_log_stats=False)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in s["prompts"]], greedy)
+    plain = {tuple(r["prompt_token_ids"]): r["output_token_ids"][:MAX_TOKENS] for r in s["recorded"]}
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [plain[tuple(p)] for p in s["prompts"]]
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts, drafted, accepted = (metrics[f"vllm:spec_decode_num_{n}"].value
+                                 for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    print(f"dynamic speculative decoding: {drafts} drafts, {drafted} draft tokens, {accepted} accepted")
+    # the 8 requests decode together nearly throughout: one draft token per request and step, a few
+    # steps with fewer requests (while prompts are still being prefilled) draft K; without the
+    # schedule every draft has K = 4 tokens (test_replay_greedy_identity_and_acceptance)
+    assert drafts > 0 and drafts <= drafted < 1.1 * drafts and 0 < accepted <= drafted

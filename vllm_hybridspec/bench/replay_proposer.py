@@ -58,6 +58,9 @@ class ReplayBenchProposer:
 
             self.length_selector = LengthSelector(options, self.k, self.device,
                                                   vllm_config.scheduler_config.max_num_seqs)
+        # vLLM's dynamic speculative decoding: the step's K from the batch-size schedule, set by the runner
+        # before each propose (vllm_internals.patch_custom_class_dynamic_draft_count); None: always K
+        self.draft_limit: int | None = None
         self.last_draft: DraftBlock | None = None  # [N, K] tokens, recorded top1_prob and entropy
         self.last_accepted: np.ndarray | None = None  # [N] the drafts a greedy target accepts, per row
         # since the engine started: rounds proposed, draft tokens proposed, drafts a greedy target accepts
@@ -130,6 +133,8 @@ class ReplayBenchProposer:
             w_rem[i] = min(max(entry.max_tokens - g, 1), k + 1)
             drafts.append(draft.tolist())
         drafts = self._select(drafts, tokens_out, conf, ent, w_rem)
+        if self.draft_limit is not None and self.draft_limit < k:
+            drafts = [d[: self.draft_limit] for d in drafts]
         for i, d in enumerate(drafts):
             accepted[i] = min(accepted[i], len(d))
         self.last_accepted = accepted
