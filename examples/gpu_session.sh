@@ -27,6 +27,7 @@
 #                                           # issue 7 (b, c): 35B shape, replayed acceptance, C = 1..128;
 #                                           # -switch: one server, four settings of its length selector
 #   bash examples/gpu_session.sh bench-gdn  # issue 2: the kernel table (examples/bench_gdn_kernels.py)
+#   bash examples/gpu_session.sh tune-gdn   # issue 2: launch sweep where the targets are missed (tune_gdn_round.py)
 #   bash examples/gpu_session.sh bench-dense / bench-hybrid
 #                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
 #                                           # reference model, C = 1,4,16,64, each config, + report
@@ -221,6 +222,12 @@ bench-gdn)
   run bench-gdn python3 examples/bench_gdn_kernels.py --no-tune --tune-recurrent \
     --out "$R/gdn_kernels.md" --json "$R/gdn_kernels.json"
   grep -E "^(w=|tune recurrent: best|launch floor|device|ACCURACY|done)" "$R/bench-gdn.log"
+  ;;
+tune-gdn)
+  # issue 2: launch sweep of the commit / chunkwise / recurrent kernels where the targets are missed (no
+  # vLLM needed: can run before the bundle, on a fresh machine)
+  run tune-gdn python3 examples/tune_gdn_round.py --out "$R/tune.jsonl"
+  grep -E "^best" "$R/tune-gdn.log"
   ;;
 bench-35b-switch|bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   # issue 7 (b, c): closed loop against `vllm serve` of the 35B shape (dummy weights), replayed acceptance

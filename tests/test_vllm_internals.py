@@ -177,6 +177,7 @@ def test_symbols_the_dynamic_draft_count_relies_on_keep_their_shape():
         "self", "scheduler_output"]
     source = inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).replace(" ", "")
     assert "num_spec_tokens_to_schedule=scheduler_output.num_spec_tokens_to_schedule" in source
+    assert "num_speculative_tokens=num_spec_tokens_to_schedule" in source  # what vLLM's own proposers get
     custom = source.split('elifspec_config.method=="custom_class":', 1)[1].split("elif", 1)[0]
     assert "num_spec_tokens_to_schedule" not in custom
     assert callable(SpeculativeConfig.uses_dynamic_speculative_decoding)

@@ -36,6 +36,19 @@ def parse_switch_options(text: str) -> dict:
     unknown = sorted(set(options) - set(OPTION_KEYS))
     if unknown:
         raise ValueError(f"unknown switch option(s) {unknown}; the options are {', '.join(OPTION_KEYS)}")
+    for key in ("gate", "batched", "drafting"):
+        if key in options and not isinstance(options[key], bool):
+            raise ValueError(f"switch option {key}={options[key]!r} must be true or false")
+    fixed = options.get("fixed_length")
+    if "fixed_length" in options and (isinstance(fixed, bool) or not isinstance(fixed, int) or fixed < 1):
+        raise ValueError(f"switch option fixed_length={fixed!r} must be an integer >= 1")
+    if "policy" in options and not (isinstance(options["policy"], str) and options["policy"]):
+        raise ValueError(f"switch option policy={options['policy']!r} must be a policy file's path")
+    if "fixed_length" in options and "policy" in options:
+        raise ValueError("switch options fixed_length and policy exclude each other")
+    for key in ("gate", "batched"):
+        if key in options and "policy" not in options:
+            raise ValueError(f"switch option {key} needs a policy (it is the policy's {key})")
     return options
 
 
@@ -50,20 +63,25 @@ class HybridSpecWorkerExtension:
 
         try:
             parsed = parse_switch_options(options)
-            selector = getattr(worker_drafter(self), "length_selector", None)
+            drafter = worker_drafter(self)
+            if drafter is None:
+                if getattr(getattr(self, "model_runner", None), "speculative_config", None) is not None:
+                    return {"ok": True, "stats": {}}  # a pipeline stage without the drafter: nothing to switch
+                raise ValueError("this server has no speculative config, so there is no length selector to switch")
+            selector = getattr(drafter, "length_selector", None)
             if selector is None:
                 raise ValueError("this server's drafter has no hybridspec length selector (a speculative config "
                                  "with method hspec, dflash or replay_bench and a \"hybridspec\" dict is needed)")
             selector.configure(**parsed)
-        except (ValueError, RuntimeError) as e:
-            return {"ok": False, "error": str(e)}
+        except (ValueError, RuntimeError, OSError) as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         return {"ok": True, "stats": self.hybridspec_stats()}
 
     def hybridspec_stats(self) -> dict:
         """The selector's counters (rows verified at each length, steps, gated steps)."""
         from vllm_hybridspec.vllm_internals import worker_drafter
 
-        selector = getattr(worker_drafter(self), "length_selector", None)
+        selector = getattr(worker_drafter(self), "length_selector", None)  # None without a drafter too
         if selector is None:
             return {}
         stats = selector.stats()

@@ -194,20 +194,94 @@ class SpecLayout:
     slots_dev: torch.Tensor
     cu_dev: torch.Tensor
     conv_index: dict = field(default_factory=dict)  # conv window width -> spec_conv_index (GPU path)
+    # rows verified as one-token rounds (the batch's rows without drafts, see ``read``): their committed
+    # count, fixed at verify time; -1 for the spec rows, whose count comes from rejection sampling.
+    # None: no such rows (every sequence of the layout is a spec row).
+    fixed_m: list[int] | None = None
+    fixed_m_dev: torch.Tensor | None = None
+
+    @property
+    def num_single(self) -> int:
+        """How many one-token rows follow the spec rows."""
+        return 0 if self.fixed_m is None else sum(1 for m in self.fixed_m if m >= 0)
+
+    def committed(self, num_committed: torch.Tensor) -> torch.Tensor:
+        """``[Ns]`` tokens to commit per sequence, from the ``[N]`` batch counts of rejection sampling."""
+        m = num_committed[self.rows_dev]
+        return m if self.fixed_m_dev is None else torch.where(self.fixed_m_dev >= 0, self.fixed_m_dev.to(m.dtype), m)
+
+    def committed_host(self, num_committed: list[int]) -> list[int]:
+        """:meth:`committed` on host lists (CPU path)."""
+        fixed = self.fixed_m or [-1] * len(self.rows)
+        return [f if f >= 0 else num_committed[r] for r, f in zip(self.rows, fixed)]
 
     @classmethod
     def read(cls, md) -> SpecLayout:
+        """The spec rows, and with them the rows without drafts when every one of those is a single
+        token with a state to start from (:func:`single_token_candidates`).
+
+        Why the second kind: vLLM's GDN builder runs rows without drafts next to spec rows through its
+        prefill path, a second GDN path per layer (at the 35B shape a mixed batch of four took twice a
+        verify-all step). One token is a round of length one: verified with the spec rows in the
+        same launch, and committed whole, ``m = 1``, whatever rejection sampling says of that row. That
+        is right both for a decode row whose drafts the selector cut and for a one-token prefill chunk,
+        whose sampled token is discarded but whose input still advances the state. A batch with a
+        zero-length row (padding) or a row without initial state (a new request's first token, whose
+        slot holds no state yet) keeps vLLM's path for all its rows without drafts."""
         n = md.num_spec_decodes
         # the batch rows of the spec sequences, as nonzero(mask)[:n]: a stable sort puts the True
         # rows first, in batch order, in a tensor whose size is known without reading the mask
         rows = md.spec_sequence_masks.to(torch.int32).sort(descending=True, stable=True).indices[:n]
-        packed = torch.cat([md.spec_query_start_loc[: n + 1].long(), md.spec_state_indices_tensor[:n, 0].long(),
-                            rows.long()])
+        parts = [md.spec_query_start_loc[: n + 1].long(), md.spec_state_indices_tensor[:n, 0].long(), rows.long()]
+        single = single_token_candidates(md)
+        if single:
+            nsc, nss, init = (md.non_spec_query_start_loc.long(), md.non_spec_state_indices_tensor.long(),
+                              md.has_initial_state.long())
+            ns = nss.shape[0]
+            parts += [nsc[: ns + 1], nss, init[:ns]]
+        packed = torch.cat(parts)
         host = packed.tolist()  # the one device->host read
-        cu, slots, rows_h = host[: n + 1], host[n + 1: 2 * n + 1], host[2 * n + 1:]
-        return cls(rows=rows_h, slots=slots, cu=cu, max_len=max((cu[i + 1] - cu[i] for i in range(n)), default=0),
-                   key=(tuple(slots), tuple(cu)), rows_dev=packed[2 * n + 1:],
-                   slots_dev=packed[n + 1: 2 * n + 1].to(torch.int32), cu_dev=packed[: n + 1].to(torch.int32))
+        cu, slots, rows_h = host[: n + 1], host[n + 1: 2 * n + 1], host[2 * n + 1: 3 * n + 1]
+        cu_dev, slots_dev, rows_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1: 3 * n + 1]
+        fixed = fixed_dev = None
+        if single:
+            o = 3 * n + 1
+            ns_cu, ns_slots, ns_init = host[o: o + ns + 1], host[o + ns + 1: o + 2 * ns + 1], host[o + 2 * ns + 1:]
+            lens = [ns_cu[i + 1] - ns_cu[i] for i in range(ns)]
+            if all(x == 1 for x in lens) and all(ns_init):
+                dev = packed.device
+                nsc_dev = packed[o: o + ns + 1]
+                cu = cu + [cu[-1] + c for c in ns_cu[1:]]
+                slots, rows_h, fixed = slots + ns_slots, rows_h + [0] * ns, [-1] * n + lens
+                cu_dev = torch.cat([cu_dev, cu_dev[-1:] + nsc_dev[1:]])
+                slots_dev = torch.cat([slots_dev, packed[o + ns + 1: o + 2 * ns + 1]])
+                rows_dev = torch.cat([rows_dev, torch.zeros(ns, dtype=rows_dev.dtype, device=dev)])
+                fixed_dev = torch.cat([torch.full((n,), -1, dtype=torch.long, device=dev), nsc_dev[1:] - nsc_dev[:-1]])
+        ns_all = len(slots)
+        LAYOUT_COUNTS["layouts"] += 1
+        if fixed is not None:
+            LAYOUT_COUNTS["with_single_token_rows"] += 1
+            LAYOUT_COUNTS["single_token_rows"] += len(fixed) - n
+        elif md.num_prefills > 0:
+            LAYOUT_COUNTS["mixed_via_vllm"] += 1
+        return cls(rows=rows_h, slots=slots, cu=cu, max_len=max((cu[i + 1] - cu[i] for i in range(ns_all)), default=0),
+                   key=(tuple(slots), tuple(cu)), rows_dev=rows_dev, slots_dev=slots_dev.to(torch.int32),
+                   cu_dev=cu_dev.to(torch.int32), fixed_m=fixed, fixed_m_dev=fixed_dev)
+
+
+# Since the process started: layouts read, those verifying rows without drafts as one-token rounds
+# (and how many such rows), and mixed batches whose rows without drafts went through vLLM's path. For
+# tests and logs.
+LAYOUT_COUNTS = {"layouts": 0, "with_single_token_rows": 0, "single_token_rows": 0, "mixed_via_vllm": 0}
+
+
+def single_token_candidates(md) -> bool:
+    """Host-side test (no device read) that a batch with spec rows may hold only single-token rows
+    without drafts: vLLM's builder counts them all as prefills (it reclassifies decodes next to spec
+    decodes), and as many prefill tokens as prefill rows means no row has more than one."""
+    return (md.num_prefills > 0 and md.num_decodes == 0 and md.num_prefill_tokens == md.num_prefills
+            and md.non_spec_query_start_loc is not None and md.non_spec_state_indices_tensor is not None
+            and md.has_initial_state is not None and md.non_spec_token_indx is not None)
 
 
 # _step_layout's cache: id(metadata) -> (metadata, its SpecLayout). The entry holds the metadata
@@ -340,7 +414,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             return cpu.nonspec_subset(self, md, x_n, b_n, a_n, cpu.conv_view(self), cpu.ssm_view(self),
                                       self.conv1d.weight.size(-1))
 
-        self._spec_batch(md, mixed_qkv, b, a, core_attn_out, self._verify_cpu, non_spec)
+        self._spec_batch(md, mixed_qkv, b, a, core_attn_out, self._verify_cpu, non_spec,
+                         SpecLayout.read(md))  # CPU tensors: no sync to save, so no cache either
 
     # ---------------------------------------------------------------------------------------------
     # GPU: vLLM's forward_cuda, whose custom op dispatches to _forward_core
@@ -376,25 +451,32 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             return out_n
 
         n = md.num_actual_tokens
-        self._spec_batch(md, mixed_qkv[:n], b[:n], a[:n], core_attn_out, self._verify_gpu, non_spec)
+        self._spec_batch(md, mixed_qkv[:n], b[:n], a[:n], core_attn_out, self._verify_gpu, non_spec,
+                         _step_layout(md))
 
     # ---------------------------------------------------------------------------------------------
     # shared: split a batch with spec rows, verify them, keep the round for the commit
     # ---------------------------------------------------------------------------------------------
 
-    def _spec_batch(self, md, mixed_qkv, b, a, core_attn_out, verify, non_spec) -> None:
+    def _spec_batch(self, md, mixed_qkv, b, a, core_attn_out, verify, non_spec, layout) -> None:
         num_spec_tokens = md.num_spec_decode_tokens
         mixed = md.num_prefills > 0 or md.num_decodes > 0
         spec_index = md.spec_token_indx[:num_spec_tokens] if mixed else None
+        if layout.num_single:
+            # the rows without drafts are one-token rounds of this layout (SpecLayout.read): one verify
+            # for all rows, tokens ordered as the layout (spec rows, then the others in batch order)
+            spec_index = torch.cat([spec_index, md.non_spec_token_indx])
         if spec_index is None:
             x, b_s, a_s = mixed_qkv[:num_spec_tokens], b[:num_spec_tokens], a[:num_spec_tokens]
         else:
             x, b_s, a_s = (t.index_select(0, spec_index) for t in (mixed_qkv, b, a))
-        out = verify(md, x, b_s, a_s)
+        out = verify(layout, x, b_s, a_s)
         if spec_index is None:
             core_attn_out[:num_spec_tokens] = out
             return
         core_attn_out.index_copy_(0, spec_index, out)
+        if layout.num_single:
+            return
         non_spec_index = md.non_spec_token_indx
         out_n = non_spec(*(t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a)))
         core_attn_out.index_copy_(0, non_spec_index, out_n.to(core_attn_out.dtype))
@@ -469,10 +551,9 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             cached = self._conv_fp32 = (key, cached[1], cached[2])
         return cached[1], cached[2]
 
-    def _verify_cpu(self, md, x, b, a) -> torch.Tensor:
-        """Parallel verification of every spec sequence from its slot; writes nothing to the pool.
-        x ``[T_spec, conv_dim]`` (pre-conv), b/a ``[T_spec, HV]`` -> o ``[T_spec, HV, V]``."""
-        layout = SpecLayout.read(md)  # CPU tensors: no sync to save, so no cache either
+    def _verify_cpu(self, layout: SpecLayout, x, b, a) -> torch.Tensor:
+        """Parallel verification of every sequence of ``layout`` from its slot; writes nothing to the
+        pool. x ``[T, conv_dim]`` (pre-conv), b/a ``[T, HV]`` -> o ``[T, HV, V]``."""
         cu, slots = layout.cu, layout.slots
         conv_out = self._spec_conv(layout, x)
         ssm = vllm_cpu_gdn_paths().ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (CPU ops' layout)
@@ -489,14 +570,13 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         self.verified_round = VerifiedRound(layout, x.clone(), factors)
         return out
 
-    def _verify_gpu(self, md, x, b, a) -> torch.Tensor:
-        """``gdn_verify`` over all spec sequences (one launch), reading ``S_0`` from the pool
+    def _verify_gpu(self, layout: SpecLayout, x, b, a) -> torch.Tensor:
+        """``gdn_verify`` over all sequences of ``layout`` (one launch), reading ``S_0`` from the pool
         ``[slots, HV, V, K]`` fp32 and writing only outputs and factors. The layout comes from
         :func:`_step_layout` (read once per step and KV-cache group, kept on the device), so a layer
         whose group was already read this step makes no device->host read and no host->device copy."""
         from vllm_hybridspec.kernels.gdn import gdn_verify
 
-        layout = _step_layout(md)
         graphs = getattr(self, "spec_graphs", None)
         if graphs is not None:
             replayed = graphs.run(layout, x, b, a)
@@ -519,8 +599,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         layout = done.layout
         conv = vllm_cpu_gdn_paths().conv_view(self)
         width = conv.shape[-1]
-        for row, slot, s in zip(layout.rows, layout.slots, layout.cu):
-            m = num_committed[row]
+        for m, slot, s in zip(layout.committed_host(num_committed), layout.slots, layout.cu):
             if slot > 0 and m > 0:  # slot 0: vLLM's null block (padding); m = 0: a discarded row
                 conv[slot] = torch.cat([conv[slot], done.x[s:s + m].T.to(conv.dtype)], dim=-1)[:, -width:]
 
@@ -528,8 +607,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         """``S_m`` from ``S_0`` and the factors, per sequence (``reconstruct_state``, Eq. 7)."""
         done = self.verified_round
         ssm = vllm_cpu_gdn_paths().ssm_view(self)
-        for row, slot, f in zip(done.layout.rows, done.layout.slots, done.factors):
-            m = num_committed[row]
+        for m, slot, f in zip(done.layout.committed_host(num_committed), done.layout.slots, done.factors):
             if slot > 0 and m > 0:
                 S0 = ssm[slot].float().transpose(-1, -2)
                 ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
@@ -596,7 +674,7 @@ def _commit_states_gpu(layers, num_committed_dev) -> None:
         factors = VerifyFactors(torch.stack([r.factors.z for r in rounds]), torch.stack([r.factors.k for r in rounds]),
                                 torch.stack([r.factors.g_cum for r in rounds]))
         gdn_commit([layer.kv_cache[1] for layer in group], factors, layout.cu_dev, layout.slots_dev,
-                   num_committed_dev[layout.rows_dev].to(torch.int32))
+                   layout.committed(num_committed_dev).to(torch.int32))
 
 
 def _commit_convs_gpu(layers, num_committed_dev) -> None:
@@ -635,7 +713,7 @@ def _commit_convs_gpu(layers, num_committed_dev) -> None:
         device = convs[0].device
         slots = layout.slots_dev.long()
         cu = layout.cu_dev.long()
-        m = torch.minimum(num_committed_dev[layout.rows_dev].long(), cu[1:] - cu[:-1])
+        m = torch.minimum(layout.committed(num_committed_dev).long(), cu[1:] - cu[:-1])
         m = torch.where(slots > 0, m, torch.zeros_like(m))
         j = m[:, None] + torch.arange(W, device=device)[None]  # [Ns, W]
         seq = torch.arange(ns, device=device)[:, None]

@@ -746,10 +746,11 @@ def worker_drafter(worker):
     """The proposer of a model runner inside a worker process (``Worker.model_runner.drafter``), for
     methods that a ``--worker-extension-cls`` adds to vLLM's ``Worker`` (``vllm_hybridspec.control``)."""
     runner = getattr(worker, "model_runner", None)
-    if runner is None or not hasattr(runner, "drafter"):
-        raise RuntimeError(f"vLLM changed: {type(worker).__name__}.model_runner.drafter not found "
+    if runner is None:
+        raise RuntimeError(f"vLLM changed: {type(worker).__name__}.model_runner not found "
                            f"(written for vLLM {SUPPORTED_VLLM})")
-    return runner.drafter
+    # vLLM creates the drafter only with a speculative config, and only on the last pipeline stage
+    return getattr(runner, "drafter", None)
 
 
 def patch_custom_class_dynamic_draft_count() -> None:

@@ -32,8 +32,10 @@ MAX_VERIFY_LEN = 16
 # (gdn_verify_recurrent_kernel), n the largest key <= the number of sequences, and solves longer ones
 # chunkwise (gdn_verify_kernel). Measured on the H200 at the 35B shape (docs/benchmarks/gdn_kernels.md,
 # 2026-12-01): the recurrent round is faster up to w = 4 for one sequence, and only at w = 2 for four
-# (w = 3 is a tie); lengths past 4 are 1.6-3.3x faster chunkwise.
-RECURRENT_UP_TO = {1: 4, 2: 2}
+# (w = 3 is a tie); from w = 8 the chunkwise round is 1.45-3.3x faster. Its lead at w = 2 shrinks
+# from one to four sequences and was not measured beyond, so from five sequences on only one-token
+# rounds use it. (Per-layer CUDA graphs, gdn_graphs.py, verify with U = K + 1 and so run chunkwise.)
+RECURRENT_UP_TO = {1: 4, 2: 2, 5: 1}
 # launch defaults of each method (value rows per program, warps); recurrent: the fastest of seven
 # candidates summed over w = 2, 8, 16 and one and four sequences in that run
 LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 8, "num_warps": 1}}

@@ -79,19 +79,58 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
 
 
 def test_switch_options_and_refusals_name_the_bad_value(tmp_path):
-    """--switch values are checked before any server starts; a server without the development endpoint
-    or one that refuses an option gives one clear error line."""
+    """--switch values are checked before any server starts; a server without the development endpoint,
+    one that refuses an option, and one that is not there each give one clear error."""
+    import http.server
+    import threading
+
     from vllm_hybridspec.bench.server import ServerError, switch_server
     from vllm_hybridspec.control import parse_switch_options
 
-    assert parse_switch_options('{"fixed_length": 3, "gate": false}') == {"fixed_length": 3, "gate": False}
-    with pytest.raises(ValueError, match=r"unknown switch option\(s\) \['lenght'\]"):
-        parse_switch_options('{"lenght": 3}')
-    with pytest.raises(ValueError, match="not JSON"):
-        parse_switch_options("{fixed_length: 3}")
+    assert parse_switch_options('{"policy": "p.json", "gate": false}') == {"policy": "p.json", "gate": False}
+    assert parse_switch_options('{"fixed_length": 3}') == {"fixed_length": 3}
+    for text, message in (('{"lenght": 3}', r"unknown switch option\(s\) \['lenght'\]"),
+                          ("{fixed_length: 3}", "not JSON"),
+                          ('{"drafting": "false"}', "drafting='false' must be true or false"),
+                          ('{"drafting": null}', "drafting=None must be true or false"),
+                          ('{"fixed_length": true}', "fixed_length=True must be an integer >= 1"),
+                          ('{"fixed_length": 0}', "fixed_length=0 must be an integer >= 1"),
+                          ('{"gate": false}', "gate needs a policy"),
+                          ('{"batched": true}', "batched needs a policy"),
+                          ('{"policy": "p.json", "fixed_length": 2}', "exclude each other")):
+        with pytest.raises(ValueError, match=message):
+            parse_switch_options(text)
     run = subprocess.run([*HYBRIDSPEC, "bench", "--url", "http://127.0.0.1:9", "--prompts", "/dev/null",
                           "--switch", "w 4={}", "-o", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 2 and "--switch 'w 4={}'" in run.stderr
     with pytest.raises(ServerError, match="unreachable"):
         switch_server(f"http://127.0.0.1:{free_port()}", {"fixed_length": 2}, timeout=5)
+
+    answers = {"/dev404": (404, b"{}"), "/refuses": (200, b'{"results": [{"ok": false, "error": "no such policy"}]}'),
+               "/ok": (200, b'{"results": [{"ok": true, "stats": {}}]}')}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            prefix = "/" + self.path.strip("/").split("/")[0]
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["method"] == "hybridspec_configure" and isinstance(body["kwargs"]["options"], str)
+            code, payload = answers[prefix]
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(ServerError, match="has no /collective_rpc endpoint: start the server with VLLM_SERVER_DEV_MODE=1"):
+            switch_server(f"{base}/dev404", {"fixed_length": 2}, timeout=5)
+        with pytest.raises(ServerError, match="refused switch options .* no such policy"):
+            switch_server(f"{base}/refuses", {"policy": "missing.json"}, timeout=5)
+        assert switch_server(f"{base}/ok", {}, timeout=5) == [{"ok": True, "stats": {}}]
+    finally:
+        server.shutdown()

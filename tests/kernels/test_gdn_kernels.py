@@ -148,8 +148,8 @@ def test_auto_method_picks_by_round_length_and_batch(monkeypatch):
                 return self.kernel[grid]
 
         monkeypatch.setattr(verify, name, Spy(kernel, name))
-    monkeypatch.setattr(verify, "RECURRENT_UP_TO", {1: 4, 2: 2})
-    assert [verify.recurrent_up_to(n) for n in (1, 2, 3, 8)] == [4, 2, 2, 2]
+    monkeypatch.setattr(verify, "RECURRENT_UP_TO", {1: 4, 2: 2, 5: 1})
+    assert [verify.recurrent_up_to(n) for n in (1, 2, 3, 4, 5, 64)] == [4, 2, 2, 2, 1, 1]
     for lengths, expected in (([4], "recurrent"), ([5], "chunk"), ([2, 1], "recurrent"), ([3, 2, 1], "chunk")):
         launched.clear()
         gen = torch.Generator().manual_seed(40 + sum(lengths))
@@ -163,6 +163,17 @@ def test_auto_method_picks_by_round_length_and_batch(monkeypatch):
         gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias, state=pool,
                    state_indices=torch.tensor([1], dtype=torch.int32), cu_seqlens=r.cu_seqlens,
                    max_len=2, method="blocked")
+
+
+@pytest.mark.parametrize("method", ["chunk", "recurrent"])
+def test_value_blocks_not_dividing_v_and_one_token_rounds(method):
+    """V = 24 in blocks of 16 (a masked last block), and rounds of one token (the recurrent kernel's
+    smallest tile)."""
+    for lengths, commits, seed in (([5, 3], [5, 2], 61), ([1, 1, 1], [1, 1, 1], 62)):
+        gen = torch.Generator().manual_seed(seed)
+        out_err, state_err = _run_layers(gen, lengths, commits, HK=1, HV=2, K=16, V=24,
+                                         dtype=torch.float32, num_layers=1, BV=16, method=method)
+        assert out_err <= FP32_TOL and state_err <= FP32_TOL, (lengths, out_err, state_err)
 
 
 @pytest.mark.parametrize("method", ["chunk", "recurrent"])

@@ -114,8 +114,11 @@ def check_identity(outputs, plain_outputs, plain_gaps, label):
 def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts, plain):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "hybridspec": {"gdn_kernel": True}}
+    from vllm_hybridspec.gdn_layer import LAYOUT_COUNTS
+
     llm = hybrid_llm(tiny_hybrid, spec)
     assert all(layer.one_slot for layer in gdn_layers(llm))
+    before = dict(LAYOUT_COUNTS)
     specs = mamba_specs(llm)
     conv_width = TINY_QWEN3_NEXT["linear_conv_kernel_dim"] - 1
     assert specs and all(s.num_speculative_blocks == 0 and conv_width in s.shapes[0] for s in specs), specs
@@ -128,6 +131,12 @@ def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts,
           f"{drafted - accepted} rejected")
     assert len(outputs) == NUM_PROMPTS >= 20
     assert accepted > 0 and drafted - accepted > 0
+    counts = {k: LAYOUT_COUNTS[k] - before[k] for k in LAYOUT_COUNTS}
+    print(f"layouts of the spec steps: {counts}")
+    # rows without an n-gram match decode next to spec rows: verified as one-token rounds of the same
+    # launch (SpecLayout.read), and batches with a multi-token prefill chunk keep vLLM's path for them
+    assert counts["with_single_token_rows"] > 0 and counts["single_token_rows"] >= counts["with_single_token_rows"]
+    assert counts["mixed_via_vllm"] > 0
     check_identity(outputs, plain["outputs"], plain["gaps"], "ngram, one-slot GDN")
 
 

@@ -132,9 +132,13 @@ class ReplayBenchProposer:
             accepted[i] = min(a, m)
             w_rem[i] = min(max(entry.max_tokens - g, 1), k + 1)
             drafts.append(draft.tolist())
-        drafts = self._select(drafts, tokens_out, conf, ent, w_rem)
         if self.draft_limit is not None and self.draft_limit < k:
+            # vLLM's dynamic speculative decoding scheduled fewer tokens this step: cut the drafts, and
+            # cap what the length selector may choose to match (a round of w verifies w - 1 drafts)
             drafts = [d[: self.draft_limit] for d in drafts]
+            w_rem = np.minimum(w_rem, self.draft_limit + 1)
+        if self.draft_limit != 0:  # 0: no drafts at all this step, nothing for the selector to choose
+            drafts = self._select(drafts, tokens_out, conf, ent, w_rem)
         for i, d in enumerate(drafts):
             accepted[i] = min(accepted[i], len(d))
         self.last_accepted = accepted
