@@ -162,37 +162,55 @@ def bare_layer(gen, HK, HV, K, V, width, num_slots):
     return layer, conv
 
 
-def spec_metadata(lengths, rows, slots, batch):
+def spec_metadata(lengths, rows, slots, batch, others=None):
     """The fields of vLLM's GDNAttentionMetadata the spec layout reads (a fresh object, as vLLM
-    builds one per KV-cache group and step)."""
+    builds one per KV-cache group and step). ``others``: ``(lengths, slots, has_initial_state)`` of
+    the rows without drafts, in batch order (vLLM's builder counts them all as prefills)."""
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     mask = torch.zeros(batch, dtype=torch.bool)
     mask[rows] = True
-    return SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
-                           spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
-                           spec_sequence_masks=mask)
+    md = SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
+                         spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
+                         spec_sequence_masks=mask, num_prefills=0, num_decodes=0, num_prefill_tokens=0,
+                         non_spec_query_start_loc=None, non_spec_state_indices_tensor=None, has_initial_state=None,
+                         non_spec_token_indx=None)
+    if others:
+        ns_lengths, ns_slots, init = others
+        md.num_prefills = sum(1 for n in ns_lengths if n)
+        md.num_prefill_tokens = sum(ns_lengths)
+        md.non_spec_query_start_loc = torch.tensor([0, *torch.tensor(ns_lengths).cumsum(0).tolist()], dtype=torch.int32)
+        md.non_spec_state_indices_tensor = torch.tensor(ns_slots, dtype=torch.int32)
+        md.has_initial_state = torch.tensor(init, dtype=torch.bool)
+        md.non_spec_token_indx = torch.arange(cu[-1], cu[-1] + sum(ns_lengths))
+    return md
 
 
-def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commit, batch):
+def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commit, batch, singles=None):
     """One round through the CPU path and the GPU path from the same pools; outputs, states and conv
-    windows must agree. Sequences with slot 0 (padding) are skipped by both."""
-    from vllm_hybridspec.gdn_layer import _commit_convs_gpu, _commit_states_gpu
+    windows must agree. Sequences with slot 0 (padding) are skipped by both. ``singles``: slots of
+    one-token rows without drafts, after the spec rows in the layout, committed whole (m = 1)."""
+    from vllm_hybridspec.gdn_layer import SpecLayout, _commit_convs_gpu, _commit_states_gpu
     from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
 
     HV, V, K = S.shape[1:]
     num_slots = S.shape[0]
-    md = spec_metadata(lengths, rows, slots, batch)
-    cu = md.spec_query_start_loc.tolist()
+    others = None if not singles else ([1] * len(singles), singles, [True] * len(singles))
+    md = spec_metadata(lengths, rows, slots, batch, others)
+    layout = SpecLayout.read(md)
+    assert layout.num_single == len(singles or [])
+    slots = layout.slots
+    commit = list(commit) + [1] * layout.num_single  # what the single-token rows must commit
+    cu = layout.cu
     T = cu[-1]
     x = torch.randn(T, layer.conv1d.weight.shape[0], generator=gen)  # [T, conv_dim] pre-conv
     b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
-    num_committed = [0] * batch
+    num_committed = [0] * batch  # the single-token rows' batch rows read 0 here: their m is fixed
     for row, m in zip(rows, commit):
         num_committed[row] = m
 
     cpu_pool = S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K)  # CPU ops: view [HV, K, V] = S^T
     layer.kv_cache = (conv.clone(), cpu_pool)
-    o_cpu = layer._verify_cpu(md, x, b, a)
+    o_cpu = layer._verify_cpu(layout, x, b, a)
     # verify writes nothing to the pool
     assert torch.equal(layer.kv_cache[0], conv)
     assert torch.equal(cpu_pool, S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K))
@@ -203,7 +221,7 @@ def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commi
 
     gpu_pool = S.clone()  # CUDA layout: pool[slot] = S
     layer.kv_cache = (conv.clone(), gpu_pool)
-    o_gpu = layer._verify_gpu(md, x, b, a)
+    o_gpu = layer._verify_gpu(SpecLayout.read(md), x, b, a)
     assert torch.equal(gpu_pool, S)
     _commit_states_gpu([layer], torch.tensor(num_committed))
     _commit_convs_gpu([layer], torch.tensor(num_committed))  # the GPU branch's conv commit (no host loop)
@@ -232,6 +250,28 @@ def test_gpu_verify_and_commit_equal_the_cpu_path():
     # a batch of 5 rows; rows 0, 2, 3 and 4 are spec rows with 1 + drafts tokens; slot 0: padding
     check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5, 4], rows=[0, 2, 3, 4], slots=[7, 2, 5, 0],
                                 commit=[2, 1, 5, 3], batch=5)
+
+
+def test_rows_without_drafts_are_one_token_rounds_committed_whole():
+    """Rows without drafts next to spec rows (vLLM's builder calls them prefills): when each is one
+    token with a state, they join the layout and commit m = 1 whatever rejection sampling says of
+    their batch row; on both paths, against each other. Otherwise (a longer chunk, a row without
+    initial state, a zero-length row) the layout holds the spec rows only."""
+    from vllm_hybridspec.gdn_layer import SpecLayout
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 5], rows=[0, 3], slots=[7, 2],
+                                commit=[2, 4], batch=5, singles=[5, 1, 8])
+    layout = SpecLayout.read(spec_metadata([3, 5], [0, 3], [7, 2], 5, ([1, 1, 1], [5, 1, 8], [True] * 3)))
+    assert (layout.cu, layout.slots, layout.fixed_m) == ([0, 3, 8, 9, 10, 11], [7, 2, 5, 1, 8], [-1, -1, 1, 1, 1])
+    assert layout.committed(torch.tensor([3, 9, 9, 5, 9])).tolist() == [3, 5, 1, 1, 1]
+    assert layout.committed_host([3, 9, 9, 5, 9]) == [3, 5, 1, 1, 1]
+    for others in (([1, 2], [5, 1], [True, True]), ([1, 1], [5, 1], [True, False]), ([1, 0], [5, 1], [True, True])):
+        layout = SpecLayout.read(spec_metadata([3, 5], [0, 3], [7, 2], 5, others))
+        assert layout.num_single == 0 and layout.fixed_m is None and layout.slots == [7, 2], others
 
 
 def test_gpu_layout_is_read_once_per_metadata_object_and_never_reused_across_steps(monkeypatch):
@@ -400,7 +440,7 @@ def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed(
     """A verified round still held when a step scheduled no draft (a dummy batch's forward, then a
     plain step replayed from a full graph, which runs no Python) must not be committed: the pools
     keep their values and the round is dropped."""
-    from vllm_hybridspec.gdn_layer import commit_rounds
+    from vllm_hybridspec.gdn_layer import SpecLayout, commit_rounds
 
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
     HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
@@ -411,7 +451,7 @@ def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed(
     layer.one_slot = True
     md = spec_metadata([3, 2], [0, 1], [4, 6], 2)
     x = torch.randn(5, layer.conv1d.weight.shape[0], generator=gen)
-    layer._verify_cpu(md, x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
+    layer._verify_cpu(SpecLayout.read(md), x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
     assert layer.verified_round is not None
     runner = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn": layer}))
     sampled = torch.tensor([[5, 6, 7], [8, 9, -1]])
@@ -419,7 +459,7 @@ def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed(
     assert layer.verified_round is None
     assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], pool)
     # the same round in a step that did verify drafts is committed: the two slots move
-    layer._verify_cpu(md, x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
+    layer._verify_cpu(SpecLayout.read(md), x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
     commit_rounds(runner, sampled, SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]}))
     assert layer.verified_round is None
     moved = (layer.kv_cache[1] != pool).flatten(1).any(1)
@@ -438,7 +478,7 @@ def test_padded_graph_round_equals_the_eager_round(lengths, rows, slots, commit,
     commit's states and conv windows. Fresh random inputs; the static buffers hold an earlier round's
     values beforehand (what a graph's buffers hold between rounds)."""
     from vllm_hybridspec.gdn_graphs import SpecCoreGraphs
-    from vllm_hybridspec.gdn_layer import _commit_convs_gpu, _commit_states_gpu
+    from vllm_hybridspec.gdn_layer import _commit_convs_gpu, _commit_states_gpu, _step_layout
 
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
     HK, HV, K, V, width, num_slots, U = 2, 4, 16, 32, 4, 9, 8
@@ -454,7 +494,7 @@ def test_padded_graph_round_equals_the_eager_round(lengths, rows, slots, commit,
         b, a = (torch.randn(T, HV, generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
         layer.spec_graphs = graphs
         layer.kv_cache = (conv.clone(), S.clone())
-        o = layer._verify_gpu(md, x, b, a)
+        o = layer._verify_gpu(_step_layout(md), x, b, a)
         _commit_states_gpu([layer], num_committed)
         _commit_convs_gpu([layer], num_committed)
         return o, layer.kv_cache, layer.verified_round
