@@ -363,8 +363,17 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     # the builder's metadata fields the layer reads
     used = {"num_prefills", "num_decodes", "num_spec_decodes", "num_spec_decode_tokens", "num_actual_tokens",
             "spec_sequence_masks", "spec_token_indx", "non_spec_token_indx", "spec_query_start_loc",
-            "spec_state_indices_tensor"}
+            "spec_state_indices_tensor", "num_prefill_tokens", "non_spec_query_start_loc",
+            "non_spec_state_indices_tensor", "has_initial_state"}
     assert used <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
+    # rows without drafts next to spec rows: the builder counts them as prefills (SpecLayout.read relies
+    # on it to find one-token rows from host ints) and gives them one state slot each
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    build = inspect.getsource(GDNAttentionMetadataBuilder.build).replace(" ", "")
+    assert "ifnum_decodes>0andnum_spec_decodes>0:\nnum_prefills+=num_decodes" in build
+    assert "non_spec_state_indices_tensor=block_table_tensor[\n~spec_sequence_masks_cpu,0\n]" in build
+    assert "has_initial_state=has_initial_state[~spec_sequence_masks_cpu]" in build
     # the commit hook: called by sample_tokens with the rejection sampler's output
     hook = getattr(GPUModelRunner._update_states_after_model_execute, "__wrapped__",
                    GPUModelRunner._update_states_after_model_execute)
