@@ -13,7 +13,7 @@ from .kernels.gdn_inputs import rel_err
 
 
 def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloat16, tp=1, eager=True,
-                graphs=None):
+                graphs=None, pp=1):
     from vllm.config.compilation import CUDAGraphMode
 
     return SimpleNamespace(
@@ -21,7 +21,7 @@ def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloa
         additional_config={} if options is None else {"hybridspec": options},
         cache_config=SimpleNamespace(mamba_cache_mode=mode, mamba_cache_dtype="auto", mamba_ssm_cache_dtype=ssm),
         model_config=SimpleNamespace(dtype=dtype, enforce_eager=eager),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE if graphs is None
                                            else CUDAGraphMode[graphs]),
     )
@@ -41,6 +41,7 @@ def test_on_by_default_with_spec_decoding_and_an_fp32_state():
     ({"ssm": "bfloat16"}, r"mamba_ssm_cache_dtype='bfloat16'"),
     ({"mode": "align"}, r"mamba_cache_mode='align'"),
     ({"k": 16}, r"num_speculative_tokens=16"),
+    ({"pp": 2}, r"pipeline_parallel_size=2: the one-slot commit runs after sampling"),
 ])
 def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(setting, message):
     assert not gdn_kernel_enabled(vllm_config(**setting))
@@ -573,3 +574,95 @@ def test_graphs_of_the_verification_are_opt_in_on_cuda_and_off_when_eager():
     assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=on), "cpu")
     assert not gdn_graphs_enabled(vllm_config(eager=True, options=on), "cuda")
     assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="NONE", options=on), "cuda")
+
+
+def _builder_metadata(query_lens, num_drafts, context_lens, slots, K=4):
+    """vLLM 0.26's own ``GDNAttentionMetadataBuilder.build`` on a batch (``num_drafts`` -1: a row
+    without drafts), with the builder's instance state stubbed: the row order, token indices and
+    non-spec fields the one-slot layer reads are vLLM's, not a copy of them."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+    common = SimpleNamespace(query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+                             block_table_tensor=torch.tensor([[s] + [0] * K for s in slots], dtype=torch.int32),
+                             num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]),
+                             compute_num_computed_tokens=lambda: seq_lens - (qsl[1:] - qsl[:-1]))
+    builder = SimpleNamespace(use_spec_decode=True, num_spec=K, kv_cache_spec=None,
+                              vllm_config=SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode="none")),
+                              gdn_prefill_backend="triton", use_full_cuda_graph=False, decode_cudagraph_max_bs=1024)
+    md = GDNAttentionMetadataBuilder.build(builder, 0, common, torch.ones(len(query_lens), dtype=torch.int32),
+                                           torch.tensor(num_drafts, dtype=torch.int32))
+    return md, qsl.tolist()
+
+
+@pytest.mark.parametrize("query_lens, num_drafts, context_lens, slots, commit", [
+    ([3, 1, 2, 1, 1], [2, -1, 1, -1, -1], [5, 7, 3, 9, 2], [3, 5, 9, 1, 11], [2, 1]),  # interleaved
+    ([1, 4, 1, 3], [-1, 3, -1, 2], [5, 7, 3, 9], [6, 2, 4, 8], [4, 3]),  # a row without drafts first
+])
+def test_one_token_rows_from_vllms_builder_equal_each_row_verified_alone(query_lens, num_drafts, context_lens,
+                                                                         slots, commit):
+    """A mixed batch as vLLM's GDN builder lays it out, through ``_spec_batch`` (gather, one verify,
+    scatter) and the GPU commit, eagerly and from ``SpecCoreGraphs``'s padded round: every row's
+    output, state and conv window equal that row verified alone and committed its own m (spec rows:
+    the sampled count, the others: their one token, although sampling reports 0 for them here)."""
+    from vllm_hybridspec.gdn_graphs import SpecCoreGraphs
+    from vllm_hybridspec.gdn_layer import SpecLayout, _commit_convs_gpu, _commit_states_gpu
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 12
+    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
+    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+    md, cu = _builder_metadata(query_lens, num_drafts, context_lens, slots)
+    layout = SpecLayout.read(md)
+    spec_rows = [i for i, d in enumerate(num_drafts) if d >= 0]
+    others = [i for i, d in enumerate(num_drafts) if d < 0]
+    assert layout.rows == spec_rows + others and layout.fixed_m == [-1] * len(spec_rows) + [1] * len(others)
+    T = cu[-1]
+    x = torch.randn(T, layer.conv1d.weight.shape[0], generator=gen)
+    b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
+    sampled = torch.zeros(len(query_lens), dtype=torch.long)
+    sampled[spec_rows] = torch.tensor(commit)
+
+    def refuse(*args):
+        raise AssertionError("vLLM's path was taken for one-token rows")
+
+    results = []
+    for graphs in (None, SpecCoreGraphs(layer, 5, batch_sizes=(1, 2, 4, 8), capture=False)):
+        layer.spec_graphs = graphs
+        layer.kv_cache = (conv.clone(), S.clone())
+        out = torch.full((T, HV, V), float("nan"))
+        layer._spec_batch(md, x, b, a, out, layer._verify_gpu, refuse, SpecLayout.read(md))
+        _commit_states_gpu([layer], sampled)
+        _commit_convs_gpu([layer], sampled)
+        results.append((out, layer.kv_cache[1].clone(), layer.kv_cache[0].clone()))
+    layer.spec_graphs = None
+    # each row alone, as a one-sequence spec layout committed its own m
+    layer.kv_cache = (conv.clone(), S.clone())
+    ref = torch.zeros(T, HV, V)
+    for i in range(len(query_lens)):
+        s, e = cu[i], cu[i + 1]
+        alone = SpecLayout.read(spec_metadata([e - s], [0], [slots[i]], 1))
+        ref[s:e] = layer._verify_gpu(alone, x[s:e], b[s:e], a[s:e])
+        m = int(sampled[i]) if num_drafts[i] >= 0 else e - s
+        _commit_states_gpu([layer], torch.tensor([m]))
+        _commit_convs_gpu([layer], torch.tensor([m]))
+    for out, states, convs in results:
+        assert rel_err(out, ref) < 1e-5
+        assert rel_err(states, layer.kv_cache[1]) < 1e-5
+        assert torch.equal(convs, layer.kv_cache[0])
+    for i in others:  # the one-token rows' states moved although sampling reported 0 for them
+        assert rel_err(results[0][1][slots[i]], S[slots[i]]) > 1e-3
+
+
+@pytest.mark.parametrize("query_lens, num_drafts, context_lens", [
+    ([3, 1, 0], [2, -1, -1], [5, 7, 0]),  # a zero-length row
+    ([3, 1], [2, -1], [5, 0]),  # a new request's first token: no state yet
+    ([3, 2], [2, -1], [5, 4]),  # a two-token prefill chunk
+])
+def test_other_rows_without_drafts_keep_vllms_path(query_lens, num_drafts, context_lens):
+    from vllm_hybridspec.gdn_layer import SpecLayout
+
+    md, _ = _builder_metadata(query_lens, num_drafts, context_lens, [3, 5, 7][:len(query_lens)])
+    layout = SpecLayout.read(md)
+    assert layout.num_single == 0 and layout.fixed_m is None and layout.rows == [0]

@@ -129,6 +129,10 @@ def _unmet_requirement(vllm_config) -> str | None:
                     "FULL_DECODE_ONLY, PIECEWISE or --enforce-eager")
     elif not current_platform.is_cpu():
         return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        # the commit runs after sampling, which only the last pipeline stage does
+        return f"pipeline_parallel_size={pp}: the one-slot commit runs after sampling, on the last stage only"
     k = vllm_config.speculative_config.num_speculative_tokens
     if k + 1 > MAX_VERIFY_LEN:
         return f"num_speculative_tokens={k} but the GDN verify kernel takes at most {MAX_VERIFY_LEN - 1} drafts"
@@ -174,7 +178,8 @@ def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], 
 class SpecLayout:
     """The spec sequences of one batch, read from one attention-metadata object.
 
-    rows: the batch row (input-batch order) of each spec sequence; slots: its state slot; cu: token
+    rows: the batch row (input-batch order) of each sequence (spec rows, then the one-token rows of
+    ``fixed_m``, each in batch order); slots: its state slot; cu: token
     offsets of the sequences (``[Ns + 1]``); max_len: the longest round (the verify kernel's ``U``);
     key: ``(slots, cu)`` as tuples, for grouping commit launches. ``rows_dev`` (int64), ``slots_dev``
     and ``cu_dev`` (int32): the same on the metadata's device, fresh tensors rather than views of the
@@ -199,6 +204,7 @@ class SpecLayout:
     # None: no such rows (every sequence of the layout is a spec row).
     fixed_m: list[int] | None = None
     fixed_m_dev: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None  # the batch tokens of the layout's sequences, in its order
 
     @property
     def num_single(self) -> int:
@@ -230,15 +236,17 @@ class SpecLayout:
         slot holds no state yet) keeps vLLM's path for all its rows without drafts."""
         n = md.num_spec_decodes
         # the batch rows of the spec sequences, as nonzero(mask)[:n]: a stable sort puts the True
-        # rows first, in batch order, in a tensor whose size is known without reading the mask
-        rows = md.spec_sequence_masks.to(torch.int32).sort(descending=True, stable=True).indices[:n]
+        # rows first, in batch order, in a tensor whose size is known without reading the mask; the
+        # other rows follow, in batch order too (as the builder's non-spec fields list them)
+        order = md.spec_sequence_masks.to(torch.int32).sort(descending=True, stable=True).indices
+        rows = order[:n]
         parts = [md.spec_query_start_loc[: n + 1].long(), md.spec_state_indices_tensor[:n, 0].long(), rows.long()]
         single = single_token_candidates(md)
         if single:
             nsc, nss, init = (md.non_spec_query_start_loc.long(), md.non_spec_state_indices_tensor.long(),
                               md.has_initial_state.long())
             ns = nss.shape[0]
-            parts += [nsc[: ns + 1], nss, init[:ns]]
+            parts += [nsc[: ns + 1], nss, init[:ns], order[n: n + ns].long()]
         packed = torch.cat(parts)
         host = packed.tolist()  # the one device->host read
         cu, slots, rows_h = host[: n + 1], host[n + 1: 2 * n + 1], host[2 * n + 1: 3 * n + 1]
@@ -246,16 +254,17 @@ class SpecLayout:
         fixed = fixed_dev = None
         if single:
             o = 3 * n + 1
-            ns_cu, ns_slots, ns_init = host[o: o + ns + 1], host[o + ns + 1: o + 2 * ns + 1], host[o + 2 * ns + 1:]
+            ns_cu, ns_slots = host[o: o + ns + 1], host[o + ns + 1: o + 2 * ns + 1]
+            ns_init, ns_rows = host[o + 2 * ns + 1: o + 3 * ns + 1], host[o + 3 * ns + 1:]
             lens = [ns_cu[i + 1] - ns_cu[i] for i in range(ns)]
-            if all(x == 1 for x in lens) and all(ns_init):
+            if all(x == 1 for x in lens) and all(ns_init) and len(ns_rows) == ns:
                 dev = packed.device
                 nsc_dev = packed[o: o + ns + 1]
                 cu = cu + [cu[-1] + c for c in ns_cu[1:]]
-                slots, rows_h, fixed = slots + ns_slots, rows_h + [0] * ns, [-1] * n + lens
+                slots, rows_h, fixed = slots + ns_slots, rows_h + ns_rows, [-1] * n + lens
                 cu_dev = torch.cat([cu_dev, cu_dev[-1:] + nsc_dev[1:]])
                 slots_dev = torch.cat([slots_dev, packed[o + ns + 1: o + 2 * ns + 1]])
-                rows_dev = torch.cat([rows_dev, torch.zeros(ns, dtype=rows_dev.dtype, device=dev)])
+                rows_dev = torch.cat([rows_dev, packed[o + 3 * ns + 1:]])
                 fixed_dev = torch.cat([torch.full((n,), -1, dtype=torch.long, device=dev), nsc_dev[1:] - nsc_dev[:-1]])
         ns_all = len(slots)
         LAYOUT_COUNTS["layouts"] += 1
@@ -271,7 +280,7 @@ class SpecLayout:
 
 # Since the process started: layouts read, those verifying rows without drafts as one-token rounds
 # (and how many such rows), and mixed batches whose rows without drafts went through vLLM's path. For
-# tests and logs.
+# tests and logs. The CPU path reads a layout per layer, the GPU path once per step and KV-cache group.
 LAYOUT_COUNTS = {"layouts": 0, "with_single_token_rows": 0, "single_token_rows": 0, "mixed_via_vllm": 0}
 
 
@@ -464,8 +473,11 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         spec_index = md.spec_token_indx[:num_spec_tokens] if mixed else None
         if layout.num_single:
             # the rows without drafts are one-token rounds of this layout (SpecLayout.read): one verify
-            # for all rows, tokens ordered as the layout (spec rows, then the others in batch order)
-            spec_index = torch.cat([spec_index, md.non_spec_token_indx])
+            # for all rows, tokens ordered as the layout (spec rows, then the others in batch order);
+            # built once per layout, i.e. per step and KV-cache group on a GPU
+            if layout.token_index is None:
+                layout.token_index = torch.cat([spec_index, md.non_spec_token_indx])
+            spec_index = layout.token_index
         if spec_index is None:
             x, b_s, a_s = mixed_qkv[:num_spec_tokens], b[:num_spec_tokens], a[:num_spec_tokens]
         else:
