@@ -80,6 +80,33 @@ def _inverse_unit_lower_rows(X, I, rows, U: tl.constexpr):
 
 
 @triton.jit
+def _program_round(cu_seqlens, state_indices, HK: tl.constexpr, HV: tl.constexpr):
+    """This program's value block, value head, key head, and its sequence's first token, length
+    and state slot (grid: value blocks x sequences * value heads)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+    return i_v, i_hv, i_hv // (HV // HK), bos, length, slot
+
+
+@triton.jit
+def _gates(g_or_a, beta_or_b, A_log, dt_bias, idx, mask, i_hv, FUSED_GATING: tl.constexpr):
+    """``(g, beta)`` in fp32 at ``idx`` (0 where ``mask`` is off): loaded, or computed from the Qwen
+    layer's raw ``a``, ``b`` as :func:`naive.gdn_gating` does."""
+    if FUSED_GATING:
+        x = tl.load(g_or_a + idx, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+        b_g = tl.where(mask, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
+        b_beta = tl.where(mask, tl.sigmoid(tl.load(beta_or_b + idx, mask=mask, other=0.0).to(tl.float32)), 0.0)
+    else:
+        b_g = tl.load(g_or_a + idx, mask=mask, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta_or_b + idx, mask=mask, other=0.0).to(tl.float32)
+    return b_g, b_beta
+
+
+@triton.jit
 def gdn_verify_kernel(
     q, k, v,  # [T, HK, K], [T, HK, K], [T, HV, V]
     g_or_a, beta_or_b,  # [T, HV]: (g, beta), or the raw gate inputs (a, b) when FUSED_GATING
@@ -98,12 +125,7 @@ def gdn_verify_kernel(
     and q and k are interleaved into one ``[2 BU, BK]`` operand, so each key chunk costs two matrix
     products.  The key dimension is walked in chunks of ``BK`` (``S_0`` read once, no whole fp32
     state slice in registers); the products use raw q and k and the L2 norms are applied after."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // HK)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_indices + i_n).to(tl.int64)
+    i_v, i_hv, i_h, bos, length, slot = _program_round(cu_seqlens, state_indices, HK, HV)
     if (length <= 0) | (slot <= 0):
         return
 
@@ -122,16 +144,7 @@ def gdn_verify_kernel(
     # [BV, BU]: v transposed
     b_vt = tl.load(v + (tok[None, :] * HV + i_hv) * V + o_v[:, None],
                    mask=m_t[None, :] & m_v[:, None], other=0.0).to(tl.float32)
-    if FUSED_GATING:
-        x = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32) + tl.load(
-            dt_bias + i_hv).to(tl.float32)
-        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
-        b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
-        b_beta = tl.where(m_t, tl.sigmoid(
-            tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)), 0.0)
-    else:
-        b_g = tl.load(g_or_a + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_g, b_beta = _gates(g_or_a, beta_or_b, A_log, dt_bias, tok * HV + i_hv, m_t, i_hv, FUSED_GATING)
 
     ss_kq = tl.zeros([2 * BU], dtype=tl.float32)
     ss_k = tl.zeros([BU], dtype=tl.float32)
@@ -210,12 +223,7 @@ def gdn_verify_recurrent_kernel(
     heads and value blocks still run in parallel. Outputs and ``z`` are gathered in registers and
     stored after the last step, so the loads of every step are free to be issued early. Rows
     shorter than ``U`` run the missing steps with ``alpha = 1, beta = 0`` (a no-op) and mask them."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // HK)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_indices + i_n).to(tl.int64)
+    i_v, i_hv, i_h, bos, length, slot = _program_round(cu_seqlens, state_indices, HK, HV)
     if (length <= 0) | (slot <= 0):
         return
 
@@ -225,9 +233,6 @@ def gdn_verify_recurrent_kernel(
     m_v = o_v < V
     h = tl.load(state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :],
                 mask=m_v[:, None], other=0.0)  # [BV, K] fp32 of S_0
-    if FUSED_GATING:
-        neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
-        bias = tl.load(dt_bias + i_hv).to(tl.float32)
     acc_o = tl.zeros([BV, BU], dtype=tl.float32)
     acc_z = tl.zeros([BV, BU], dtype=tl.float32)
     acc_g = tl.zeros([BU], dtype=tl.float32)
@@ -238,15 +243,7 @@ def gdn_verify_recurrent_kernel(
         b_k = tl.load(k + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
         b_q = tl.load(q + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
         b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v & live, other=0.0).to(tl.float32)
-        if FUSED_GATING:
-            x = tl.load(g_or_a + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32) + bias
-            softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
-            b_g = tl.where(live, neg_a * softplus, 0.0)
-            b_beta = tl.where(live, tl.sigmoid(
-                tl.load(beta_or_b + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)), 0.0)
-        else:
-            b_g = tl.load(g_or_a + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)
-            b_beta = tl.load(beta_or_b + tok * HV + i_hv, mask=live, other=0.0).to(tl.float32)
+        b_g, b_beta = _gates(g_or_a, beta_or_b, A_log, dt_bias, tok * HV + i_hv, live, i_hv, FUSED_GATING)
         if USE_QK_L2NORM:
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
