@@ -24,6 +24,8 @@
 #   bash examples/gpu_session.sh graphs     # the drafter's CUDA graphs vs eager rounds, no engine (seconds)
 #   bash examples/gpu_session.sh calib-35b  # 35B-shape cost file + policy (issue 6)
 #   bash examples/gpu_session.sh bench-35b-switch / bench-35b-plain (or -all, -sel, -dyn)
+#                                           # (env: LEVELS, REPEATS, SWITCHES="off all sel sel-nogate",
+#                                           #  BENCH_ARGS: more `hybridspec bench` options)
 #                                           # issue 7 (b, c): 35B shape, replayed acceptance, C = 1..128;
 #                                           # -switch: one server, four settings of its length selector
 #   bash examples/gpu_session.sh bench-gdn  # issue 2: the kernel table (examples/bench_gdn_kernels.py)
@@ -240,22 +242,27 @@ bench-35b-switch|bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   CONT=docs/benchmarks/h200-2026-12-01/eval-35b/continuations.jsonl
   python3 -c "import json, sys; [print(json.dumps({'prompt': json.loads(l)['prompt_token_ids']})) for l in open(sys.argv[1])]" "$CONT" > /tmp/prompts_35b.jsonl
   POLICY="${POLICY:-docs/benchmarks/h200-2026-12-01/eval-35b/policy.json}"
+  # vLLM's own GDN path (dyn) keeps 1 + K states per request slot (63 MB each at this shape): 128 slots
+  # would not fit next to the weights, and (b) only asks for C = 1 and 4 there
+  if [ "$CFG" = dyn ]; then SEQS="${MAX_SEQS:-8}"; LEVELS="${LEVELS:-1,4}"; SIZES="1, 2, 4, 8, 16, 32, 64"
+  else SEQS="${MAX_SEQS:-128}"; SIZES="1, 2, 4, 8, 16, 32, 64, 128"; fi
   LEVELS="${LEVELS:-1,4,16,64,128}"
   REPLAY="\"method\": \"replay_bench\", $H7, \"replay_bench\": {\"records\": \"models/hybrid-hspec/records.jsonl.gz\", \"continuations\": \"$CONT\", \"seed\": 0}"
-  SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs 128 --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}' --compilation-config '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 32, 64, 128]}'"
+  SERVE="python3 -m vllm.entrypoints.openai.api_server --model /tmp/full-shape/target --load-format dummy --skip-tokenizer-init --port 8000 --max-model-len 2048 --max-num-seqs $SEQS --mamba-ssm-cache-dtype float32 --additional-config '{\"gdn_prefill_backend\": \"triton\"}' --compilation-config '{\"cudagraph_capture_sizes\": [$SIZES]}'"
   SWITCH=()
   case "$CFG" in
     plain) SPEC="" ;;
     switch) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}"
-            SWITCH=(--switch 'off={"drafting": false}' --switch 'all={}' --switch "sel={\"policy\": \"$POLICY\"}"
-                    --switch "sel-nogate={\"policy\": \"$POLICY\", \"gate\": false}") ;;
+            declare -A OPT=([off]='{"drafting": false}' [all]='{}' [sel]="{\"policy\": \"$POLICY\"}"
+                            [sel-nogate]="{\"policy\": \"$POLICY\", \"gate\": false}")
+            for name in ${SWITCHES:-off all sel sel-nogate}; do SWITCH+=(--switch "$name=${OPT[$name]}"); done ;;
     all) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true}}" ;;
     sel) SPEC="{$REPLAY, \"hybridspec\": {\"gdn_kernel\": true, \"policy\": \"$POLICY\"}}" ;;
     dyn) SPEC="{$REPLAY, \"num_speculative_tokens_per_batch_size\": [[1, 2, 7], [3, 8, 3]]}" ;;
   esac
   cmd="$SERVE"; [ -n "$SPEC" ] && cmd="$cmd --speculative-config '$SPEC'"
   run "bench-$CFG" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts /tmp/prompts_35b.jsonl \
-    --concurrency "$LEVELS" --output-len 128 --label "35b-$CFG" --repeats "${REPEATS:-1}" --no-progress \
+    --concurrency "$LEVELS" --output-len 128 --label "35b-$CFG" --repeats "${REPEATS:-1}" --no-progress ${BENCH_ARGS:-} \
     -o "$R/35b-$CFG.json" "${SWITCH[@]}"
   grep -E "^(C=|[a-z-]+:$)|switched|error" "$R/bench-$CFG.log" | head -40
   grep -hE "GPU KV cache size|Maximum concurrency|left its recorded" "$R"/*.server.log | head -8
