@@ -43,9 +43,14 @@ def load_vllm_spec_decode_gdn_kernel():
     import torch
 
     if torch.cuda.is_available():
-        from vllm.third_party.flash_linear_attention.ops import fused_sigmoid_gating
-
-        return getattr(fused_sigmoid_gating, FUSED_SIGMOID_GATING_UPDATE)
+        try:
+            from vllm.third_party.flash_linear_attention.ops import fused_sigmoid_gating
+        except ImportError:
+            # no importable vLLM, only its source tree on the path (a kernel benchmark on a bare GPU
+            # machine): compile the same file as below, against the real Triton
+            pass
+        else:
+            return getattr(fused_sigmoid_gating, FUSED_SIGMOID_GATING_UPDATE)
     path = vllm_package_dir() / FUSED_SIGMOID_GATING_FILE
     if not path.exists():
         raise RuntimeError(f"vLLM changed: {path} no longer exists (written for vLLM {SUPPORTED_VLLM})")

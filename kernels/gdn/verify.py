@@ -39,6 +39,13 @@ RECURRENT_UP_TO = {1: 4, 2: 2, 5: 1}
 # launch defaults of each method (value rows per program, warps); recurrent: the fastest of seven
 # candidates summed over w = 2, 8, 16 and one and four sequences in that run
 LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 8, "num_warps": 1}}
+# a single sequence verifies recurrently with BV = 4 (twice the programs): 0.107 against 0.136 ms for
+# BV = 8 at w = 2 (30 layers, H200 launch sweep of 2026-12-01, examples/tune_gdn_round.py); at four
+# sequences BV = 8 and 16 were within 5 % of each other
+RECURRENT_BV_ONE_SEQ = 4
+# the chunkwise inverse uses the product series from this round length on: at w = 16 it verified in
+# 0.221 against 0.270 ms (one sequence) and 0.307 against 0.350 ms (four) in that sweep
+SERIES_FROM = 9
 
 
 def recurrent_up_to(num_seqs: int) -> int:
@@ -331,7 +338,7 @@ def gdn_verify(
     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None, factors: VerifyFactors | None = None,
     BV: int | None = None, BK: int | None = None, num_warps: int | None = None, precision: str = "auto",
-    series_from: int = MAX_VERIFY_LEN + 1, method: str = "auto",
+    series_from: int = SERIES_FROM, method: str = "auto",
 ) -> tuple[torch.Tensor, VerifyFactors]:
     """Verify a batch of rounds in parallel, reading each sequence's ``S_0`` from the state pool.
 
@@ -355,7 +362,7 @@ def gdn_verify(
             defaults to 128 with "tf32" and 64 otherwise; these defaults were the fastest on the
             H200 (docs/benchmarks/gdn_kernels.md).
             ``series_from``: the round length from which the triangular inverse uses the product
-            series instead of substitution (substitution measured faster at every length).
+            series instead of substitution (:data:`SERIES_FROM`, as measured on the H200).
             ``BV`` and ``num_warps`` default per method (:data:`LAUNCH_DEFAULTS`); ``BK``,
             ``precision`` and ``series_from`` only concern "chunk".
         method: "chunk" (the triangular solve of Eq. 3 over the whole round, all tokens in one set of
@@ -384,7 +391,9 @@ def gdn_verify(
         raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
     if precision not in ("auto", "tf32", "tf32x3", "ieee"):
         raise ValueError(f"precision must be 'auto', 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
-    BV = min(BV or LAUNCH_DEFAULTS[method]["BV"], triton.next_power_of_2(V))
+    if BV is None:
+        BV = RECURRENT_BV_ONE_SEQ if method == "recurrent" and N == 1 else LAUNCH_DEFAULTS[method]["BV"]
+    BV = min(BV, triton.next_power_of_2(V))
     num_warps = num_warps or LAUNCH_DEFAULTS[method]["num_warps"]
     grid = (triton.cdiv(V, BV), N * HV)
     dummy = g

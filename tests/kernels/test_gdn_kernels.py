@@ -38,7 +38,7 @@ def _reference(r, pool, slots, i):
 
 
 def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=True,
-                strong_decay=False, BV=32, **verify_kw):
+                strong_decay=False, BV=32, commit_precision="tf32x3", **verify_kw):
     """Verify ``num_layers`` layers of one round, commit all in one launch, return max errors."""
     N = len(lengths)
     slots = torch.randperm(2 * N, generator=gen)[:N] + 1  # slot 0 is the null block
@@ -69,7 +69,7 @@ def _run_layers(gen, lengths, commits, HK, HV, K, V, dtype, num_layers=2, fused=
             assert not torch.isnan(r.seq(i, o)).any()
             out_err = max(out_err, rel_err(r.seq(i, o), o_ref))
     gdn_commit(StatePointers(pools), stacked, cu, idx, torch.tensor(commits, dtype=torch.int32),
-               BV=BV)
+               BV=BV, precision=commit_precision)
     state_err = 0.0
     for layer, r in enumerate(rounds):
         for i in range(N):
@@ -233,3 +233,17 @@ def test_bad_inputs_name_the_bad_value():
         gdn_verify(r.q, r.k, r.v, state=pool[:, :1], max_len=4, **kw)
     with pytest.raises(ValueError, match="state pool of layer 1 must be fp32"):
         StatePointers([pool, pool.double()])
+    _, f = gdn_verify(r.q, r.k, r.v, state=pool, max_len=4, **kw)
+    stacked = VerifyFactors(f.z[None], f.k[None], f.g_cum[None])
+    with pytest.raises(ValueError, match="precision must be 'tf32x3', 'ieee' or 'tf32', got 'fp16'"):
+        gdn_commit([pool], stacked, r.cu_seqlens, torch.tensor([1]), torch.tensor([2], dtype=torch.int32),
+                   precision="fp16")
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_commit_precisions_fp32(precision):
+    """The commit's two fp32-accurate dot precisions, every m of a 16-token round."""
+    gen = torch.Generator().manual_seed(1600 + len(precision))
+    out_err, state_err = _run_layers(gen, [16] * 16, list(range(1, 17)), HK=2, HV=4, K=16, V=32,
+                                     dtype=torch.float32, BK=16, commit_precision=precision)
+    assert out_err <= FP32_TOL and state_err <= FP32_TOL, (out_err, state_err)
