@@ -99,3 +99,30 @@ def test_throughput_spread_of_repeated_runs_in_the_report(tmp_path):
     md = write_report([tmp_path / "x.json"], tmp_path / "out").read_text()
     assert "| x | 4 | 24 / 0 / 0 | 104.0 [90.0-130.0] |" in md
     assert (tmp_path / "out" / "throughput.png").stat().st_size > 1000
+
+
+def test_report_merges_the_sweeps_of_one_configuration(tmp_path):
+    """LABEL=a.json,b.json: one line per configuration from sweeps run in separate calls; a level measured
+    in both comes from the last file, and the report says which value it replaced; a cut sweep is flagged."""
+    s = {"mean": 0.01, "p50": 0.01, "p99": 0.02}
+
+    def level(c, tps):
+        return {"concurrency": c, "num_requests": 8, "completed": 8, "failed": 0, "not_sent": 0,
+                "output_throughput": tps, "request_throughput": tps / 16, "ttft_s": s, "itl_s": s, "tpot_s": s,
+                "e2e_s": s, "mean_acceptance_length": 1.7, "kv_cache_usage": {"mean": 0.1, "max": 0.2},
+                "status": "ok"}
+    small = {"status": "ok", "error": None, "config": {"label": "x-small"}, "levels": [level(1, 41.6), level(4, 133.0),
+                                                                                      level(16, 431.2)]}
+    big = {"status": "running", "error": None, "config": {"label": "x-big"}, "levels": [level(16, 453.8),
+                                                                                       level(64, 755.4)]}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    (tmp_path / "big.json").write_text(json.dumps(big))
+    md = write_report([f"all={tmp_path / 'small.json'},{tmp_path / 'big.json'}"], tmp_path / "out").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| all |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "4", "16", "64"]
+    assert "| all | 16 | 8 / 0 / 0 | 453.8 |" in md
+    assert "C = 16 measured in small.json (431.2 tok/s) and big.json (453.8 tok/s)" in md
+    assert "- all: partly ok: big.json: running: None" in md
+    assert "merged from small.json, big.json" in md
+    with pytest.raises(ValueError, match="'all=': expected LABEL=PATH"):
+        write_report(["all="], tmp_path / "out2")

@@ -155,7 +155,9 @@ def _num(value, spec: str = ".1f", scale: float = 1.0) -> str:
 
 
 def report(
-    results: list[Path] = typer.Argument(..., help="result JSONs of `hybridspec bench`, one per configuration"),
+    results: list[str] = typer.Argument(..., help="result JSONs of `hybridspec bench`, one per configuration, or "
+                                        "LABEL=PATH[,PATH...] for one configuration measured in several runs "
+                                        "(levels merged by concurrency; the last file wins a level measured twice)"),
     out_dir: Path = typer.Option(Path("bench_report"), "--out-dir", "-o"),
 ) -> None:
     """A markdown table and plots (throughput, latency, KV usage against concurrency) of result files,

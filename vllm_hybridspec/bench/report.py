@@ -18,7 +18,37 @@ def load_result(path: Path) -> dict:
         raise ValueError(f"{path} is not a `hybridspec bench` result (no 'levels'); expected the JSON it writes.")
     doc.setdefault("config", {})
     doc["label"] = doc["config"].get("label") or Path(path).stem
+    doc["_source"] = Path(path).name
     return doc
+
+
+def load_merged(spec: str | Path) -> dict:
+    """One configuration from ``PATH`` or from ``LABEL=PATH[,PATH...]``: the sweeps of one setting run in
+    separate calls (a 10-minute call rarely holds C = 1..128 of several settings). Levels are merged by
+    concurrency, in the order given; a level measured in more than one file is taken from the last one,
+    and the report notes the value it replaced."""
+    spec = str(spec)
+    label, sep, paths = spec.partition("=")
+    if not sep or Path(spec).is_file():
+        return load_result(Path(spec))
+    if not label or not paths:
+        raise ValueError(f"{spec!r}: expected LABEL=PATH[,PATH...]")
+    docs = [load_result(Path(p)) for p in paths.split(",")]
+    levels, notes = {}, []
+    for doc in docs:
+        for lv in doc["levels"]:
+            c = lv["concurrency"]
+            if c in levels:
+                old = levels[c]
+                notes.append(f"C = {c} measured in {old['_source']} ({_fmt(old['output_throughput'])} tok/s) and "
+                             f"{doc['_source']} ({_fmt(lv['output_throughput'])} tok/s); the latter is shown")
+            levels[c] = dict(lv, _source=doc["_source"])
+    bad = [f"{d['_source']}: {d['status']}: {d['error']}" for d in docs if d.get("status") != "ok"]
+    merged = dict(docs[-1], label=label, levels=[levels[c] for c in sorted(levels)],
+                  status="ok" if not bad else "partly ok", error="; ".join(bad) or None,
+                  merged_from=[d["_source"] for d in docs], merge_notes=notes)
+    merged["config"] = dict(docs[-1]["config"], label=label)
+    return merged
 
 
 def _fmt(value, spec: str = ".1f", scale: float = 1.0) -> str:
@@ -44,6 +74,7 @@ def markdown_table(docs: list[dict]) -> str:
                 f"| {_fmt(lv['ttft_s']['p50'], '.1f', 1e3)} | {_fmt(lv.get('mean_acceptance_length'), '.2f')} "
                 f"| {_fmt(kv.get('mean'), '.1%')} / {_fmt(kv.get('max'), '.1%')} |")
     notes = [f"- {doc['label']}: {doc['status']}: {doc['error']}" for doc in docs if doc.get("status") != "ok"]
+    notes += [f"- {doc['label']}: {n}" for doc in docs for n in doc.get("merge_notes", [])]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -114,9 +145,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_report(results: list[Path], out_dir: Path) -> Path:
-    """``report.md`` (the table, then the plots) and the plots in ``out_dir``; returns report.md."""
-    docs = [load_result(p) for p in results]
+def write_report(results: list[Path | str], out_dir: Path) -> Path:
+    """``report.md`` (the table, then the plots) and the plots in ``out_dir``; returns report.md.
+    Each result is a file, or ``LABEL=PATH[,PATH...]`` for one configuration measured in several
+    (:func:`load_merged`)."""
+    docs = [load_merged(p) for p in results]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot(docs, out_dir)
@@ -127,7 +160,8 @@ def write_report(results: list[Path], out_dir: Path) -> Path:
         cfg = doc["config"]
         md.append(f"- **{doc['label']}**: model `{cfg.get('model')}`, output length {cfg.get('output_len')} "
                   f"({'fixed' if cfg.get('ignore_eos', True) else 'up to EOS'}), "
-                  f"server `{cfg.get('serve') or cfg.get('base_url')}`")
+                  f"server `{cfg.get('serve') or cfg.get('base_url')}`"
+                  + (f"; merged from {', '.join(doc['merged_from'])}" if doc.get("merged_from") else ""))
     md += [""] + [f"![{p.stem}]({p.name})" for p in pngs]
     path = out_dir / "report.md"
     path.write_text("\n".join(md) + "\n")
