@@ -114,6 +114,8 @@ def plot(docs: list[dict], out_dir: Path) -> list[Path]:
                              yerr=[[y - s["min"] for _, y, s in spread], [s["max"] - y for _, y, s in spread]],
                              fmt="none", ecolor=f"C{i}", capsize=3)
     _panel(axes[1], docs, lambda lv: lv["request_throughput"], "requests / s", "Request throughput")
+    for ax in axes:  # configurations differ by multiples, and C spans two decades
+        ax.set_yscale("log")
     axes[0].legend()
     paths.append(_save(fig, out_dir / "throughput.png"))
 
