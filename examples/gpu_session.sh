@@ -30,6 +30,7 @@
 #                                           # -switch: one server, four settings of its length selector
 #   bash examples/gpu_session.sh bench-gdn  # issue 2: the kernel table (examples/bench_gdn_kernels.py)
 #   bash examples/gpu_session.sh tune-gdn   # issue 2: launch sweep where the targets are missed (tune_gdn_round.py)
+#   bash examples/gpu_session.sh calib-hybrid  # issue 7 (a): the reference hybrid's policy fitted to this GPU's costs
 #   bash examples/gpu_session.sh bench-dense / bench-hybrid
 #                                           # issue 7 (a): `hybridspec bench` against `vllm serve` of a
 #                                           # reference model, C = 1,4,16,64, each config, + report
@@ -159,6 +160,17 @@ calib-35b)
   run fit python3 -m vllm_hybridspec.cli calibrate fit --records models/hybrid-hspec/records.jsonl.gz \
     --costs "$R/costs_35b.json" --out "$R/policy_35b.json" --min-length 1
   ;;
+calib-hybrid)
+  # issue 7 (a): the reference hybrid's GPU policy. Per-round costs of its H-Spec drafter + one-slot GDN at
+  # fixed lengths and plain decoding on this GPU (the committed policy_cpu.json was fitted to CPU costs),
+  # fitted with the drafter's own round records. Writes $R/policy_hybrid.json, which bench-hybrid uses.
+  run costs python3 -m vllm_hybridspec.cli calibrate costs --model models/hybrid \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true}}" \
+    --lengths 1,2,3,4,6,8 --batch-sizes 1,4,16,64 --plain --prompts models/prompts/heldout.jsonl --out "$R/costs_hybrid.json" \
+    --engine-args '{"max_model_len": 1024, "gpu_memory_utilization": 0.3, "mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+  run fit python3 -m vllm_hybridspec.cli calibrate fit --records models/hybrid-hspec/records.jsonl.gz \
+    --costs "$R/costs_hybrid.json" --out "$R/policy_hybrid.json" --min-length 1
+  ;;
 record-35b)
   # issues 6 and 7 (b): the greedy continuations the replay proposer drafts from, by a plain engine (eager:
   # a shorter start; eval-35b checks its outputs against them); token-id prompts, since the 35B-shape
@@ -274,17 +286,22 @@ bench-dense|bench-hybrid)
   declare -A SPEC=(
     [plain]=""
     [hspec]="{\"method\": \"hspec\", \"model\": \"models/$KIND-hspec\", $H7}"
-    [hspec_sel]="{\"method\": \"hspec\", \"model\": \"models/$KIND-hspec\", $H7, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\"}}"
   )
   [ "$KIND" = dense ] && SPEC[dflash]="{\"method\": \"dflash\", \"model\": \"models/dense-dflash\", $H7}"
-  [ "$KIND" = hybrid ] && SPEC[hspec_sel]="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gdn_kernel\": true}}"
-  [ "$KIND" = dense ] && unset "SPEC[hspec_sel]"   # the committed policy is the hybrid drafter's
-  for cfg in plain hspec hspec_sel dflash; do
+  # hybrid: H-Spec (one-slot GDN, every draft verified) and H-Spec + HybridSpec verification are two
+  # settings of ONE server (--switch), so the pair costs one start; the policy is calib-hybrid's GPU fit
+  # when this machine has it (POLICY overrides), else the committed CPU fit
+  HPOL="${POLICY:-/tmp/hs-results/calib-hybrid/policy_hybrid.json}"; [ -f "$HPOL" ] || HPOL=models/hybrid-hspec/policy_cpu.json
+  [ "$KIND" = hybrid ] && SPEC[hspec]="{\"method\": \"hspec\", \"model\": \"models/hybrid-hspec\", $H7, \"hybridspec\": {\"gdn_kernel\": true}}"
+  for cfg in ${CONFIGS:-plain hspec dflash}; do
     [ -n "${SPEC[$cfg]+x}" ] || continue
     cmd="$SERVE"; [ -n "${SPEC[$cfg]}" ] && cmd="$cmd --speculative-config '${SPEC[$cfg]}'"
+    SW=(); [ "$KIND" = hybrid ] && [ "$cfg" = hspec ] && SW=(--switch 'all={}' --switch "sel={\"policy\": \"$HPOL\"}")
     run "bench-$cfg" python3 -m vllm_hybridspec.cli bench --serve "$cmd" --prompts models/prompts/heldout.jsonl \
-      --concurrency 1,4,16,64 --output-len 128 --label "$cfg" --repeats "${REPEATS:-3}" --no-progress -o "$R/$cfg.json"
+      --concurrency "${LEVELS:-1,4,16,64}" --output-len 128 --label "$cfg" --repeats "${REPEATS:-3}" --no-progress \
+      -o "$R/$cfg.json" "${SW[@]}"
   done
+  echo "policy of the hybrid's sel setting: $HPOL"
   python3 -m vllm_hybridspec.cli report "$R"/*.json --out-dir "$R/report" > "$R/report.log" 2>&1; tail -20 "$R/report/report.md"
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
