@@ -212,13 +212,22 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
     target = tmp_path / "target"
     config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": VOCAB, "num_hidden_layers": 8, "pad_token_id": 0})
     config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(fresh_seed("8-layer hybrid and H-Spec weights"))
+    torch.manual_seed(fresh_seed("8-layer hybrid weights"))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
     selected, kv = default_layer_selection(config, num_selected=4, num_kv_reuse=2)  # kv: layers 3 and 7
-    HSpecDraftModel.from_training_args(
-        config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
-        mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
-    ).save_pretrained(tmp_path / "hspec")
+    # the drafter in float32, from a seed of its own: an in-process vLLM engine that ran earlier leaves
+    # torch's default dtype at bfloat16, so without this the drafter (and the batch sequence its drafts
+    # give) depended on which tests ran before, and a printed seed did not reproduce a draw
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(fresh_seed("H-Spec drafter weights"))
+    try:
+        HSpecDraftModel.from_training_args(
+            config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
+            mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
+        ).save_pretrained(tmp_path / "hspec")
+    finally:
+        torch.set_default_dtype(default_dtype)
     gen = torch.Generator().manual_seed(fresh_seed("H-Spec prompts"))
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()}
                for n in torch.randint(3, 40, (NUM_PROMPTS,), generator=gen)]
