@@ -18,6 +18,16 @@ from ..tiny_models import MASK, VOCAB
 from ..tiny_models import tiny_qwen3_config as shared_tiny_qwen3_config
 
 
+@pytest.fixture(autouse=True)
+def float32_default_dtype():
+    """Every test starts and ends with torch's default dtype at float32: an in-process vLLM engine
+    leaves it at bfloat16, and a model built after one (a random drafter, say) would silently be
+    bf16, so the test's draw would depend on which tests ran before it."""
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
     """The plugin tests' target: the shared tiny shape with 32-wide heads and 512 positions."""
     return shared_tiny_qwen3_config(**{"head_dim": 32, "max_position_embeddings": 512, **overrides})
