@@ -83,10 +83,14 @@ def save_dflash(target_dir, out_dir, num_layers: int):
     return out_dir
 
 
+def runner_of(llm):
+    """The in-process engine's model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def drafter_of(llm):
-    """The in-process engine's proposer (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.drafter
+    """The in-process engine's proposer."""
+    return runner_of(llm).drafter
 
 
 def kv_capacity_tokens(llm) -> int:

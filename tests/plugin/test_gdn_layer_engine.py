@@ -16,7 +16,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from .conftest import kv_capacity_tokens
+from .conftest import kv_capacity_tokens, runner_of
 from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.timeout(900)
@@ -105,7 +105,7 @@ def routing_margin(model: str, tokens: list[int]) -> float:
     tie that matters (the pad token's embedding row is zero, and the GDN layers' gated output keeps
     it zero up to the first attention layer)."""
     llm = hybrid_llm(model)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = runner_of(llm)
     k = llm.llm_engine.vllm_config.model_config.hf_config.num_experts_per_tok
     last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = [module.register_forward_hook(
@@ -215,19 +215,12 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
     torch.manual_seed(fresh_seed("8-layer hybrid weights"))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
     selected, kv = default_layer_selection(config, num_selected=4, num_kv_reuse=2)  # kv: layers 3 and 7
-    # the drafter in float32, from a seed of its own: an in-process vLLM engine that ran earlier leaves
-    # torch's default dtype at bfloat16, so without this the drafter (and the batch sequence its drafts
-    # give) depended on which tests ran before, and a printed seed did not reproduce a draw
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
+    # a seed of its own for the drafter (built in float32: conftest's float32_default_dtype)
     torch.manual_seed(fresh_seed("H-Spec drafter weights"))
-    try:
-        HSpecDraftModel.from_training_args(
-            config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
-            mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
-        ).save_pretrained(tmp_path / "hspec")
-    finally:
-        torch.set_default_dtype(default_dtype)
+    HSpecDraftModel.from_training_args(
+        config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
+        mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
+    ).save_pretrained(tmp_path / "hspec")
     gen = torch.Generator().manual_seed(fresh_seed("H-Spec prompts"))
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()}
                for n in torch.randint(3, 40, (NUM_PROMPTS,), generator=gen)]

@@ -19,7 +19,7 @@ from vllm_hybridspec.policy.acceptance import FEATURES
 from vllm_hybridspec.policy.policy_file import PolicyFile
 
 from ..tiny_models import VOCAB
-from .conftest import drafter_of, make_llm
+from .conftest import drafter_of, make_llm, runner_of
 from .test_engine import GREEDY, NUM_PROMPTS, prompts, token_ids
 
 pytestmark = pytest.mark.timeout(900)
@@ -256,10 +256,6 @@ def async_scheduling(monkeypatch):
         vllm_config.scheduler_config.async_scheduling = True
 
     monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 @pytest.mark.parametrize("options", [{}, "policy", "gate"])
