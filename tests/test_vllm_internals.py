@@ -325,6 +325,37 @@ def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
     assert torch.equal(window[0], full[0, :, -(width - 1):])  # the window it leaves: the last width-1 inputs
 
 
+def test_cpu_gdn_core_op_calls_the_layer_registered_under_its_name():
+    """The custom op the one-slot layer's CPU core runs behind: registered once (vLLM's
+    direct_register_custom_op, layer names as _encode_layer_name makes them), it looks the layer up in
+    the forward context's no_compile_layers and calls its _core_cpu, which writes core_attn_out
+    in place; torch.compile sees it as one opaque op that mutates core_attn_out."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from vllm_hybridspec.vllm_internals import HSPEC_CPU_GDN_CORE_OP, cpu_gdn_core_op
+
+    op, encode = cpu_gdn_core_op()
+    assert cpu_gdn_core_op() == (op, encode)  # registered once
+    assert op is getattr(torch.ops.vllm, HSPEC_CPU_GDN_CORE_OP)
+    schema = op.default._schema
+    assert [a.name for a in schema.arguments] == ["mixed_qkv", "b", "a", "core_attn_out", "layer_name"]
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["core_attn_out"]
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    x, b, a = (torch.randn(5, n, generator=gen) for n in (12, 3, 3))
+
+    class Layer:
+        prefix = "model.layers.0.linear_attn"
+
+        def _core_cpu(self, mixed_qkv, b_, a_, out):
+            out.copy_((mixed_qkv[:, :3] * b_ + a_)[:, :, None].expand_as(out))
+
+    out = torch.full((5, 3, 4), float("nan"))
+    context = ForwardContext(no_compile_layers={Layer.prefix: Layer()}, attn_metadata={}, slot_mapping={})
+    with override_forward_context(context):
+        op(x, b, a, out, encode(Layer.prefix))
+    torch.testing.assert_close(out, (x[:, :3] * b + a)[:, :, None].expand(5, 3, 4), rtol=0, atol=0)
+
+
 def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     import dataclasses
     import inspect

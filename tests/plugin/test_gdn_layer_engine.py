@@ -262,3 +262,36 @@ def test_routing_margin_sees_a_router_tie(tiny_hybrid, tmp_path):
     random_margin = routing_margin(tiny_hybrid, tokens)
     assert ROUTER_TIE < random_margin < 100, random_margin
     assert routing_margin(str(tied), tokens) == 0.0
+
+
+def test_compiled_target_runs_the_gdn_core(tiny_hybrid, prompts, plain, monkeypatch):
+    """Without ``enforce_eager`` vLLM compiles the target with torch.compile; the one-slot layer's CPU
+    core must stay outside the traced graph (a custom op), or the profiling run's trace (no metadata)
+    compiles it away and every GDN core output is zero. Compiled plain decoding and compiled ngram
+    speculation with the one-slot layer both give the eager plain output."""
+    from vllm_hybridspec.gdn_layer import HSpecQwenGDN
+    from vllm_hybridspec.vllm_internals import HSPEC_CPU_GDN_CORE_OP
+
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")  # compile here, never load an older artifact
+    calls = []
+    original = HSpecQwenGDN._core_cpu
+
+    def counted(self, *args):
+        calls.append(self.prefix)
+        return original(self, *args)
+
+    monkeypatch.setattr(HSpecQwenGDN, "_core_cpu", counted)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    for label, spec in (("compiled plain", None), ("compiled ngram, one-slot GDN", ngram)):
+        llm = hybrid_llm(tiny_hybrid, spec, enforce_eager=False)
+        assert llm.llm_engine.vllm_config.compilation_config.mode > 0  # really compiled
+        layers = gdn_layers(llm)
+        assert all(layer._cpu_core_op[0] is getattr(torch.ops.vllm, HSPEC_CPU_GDN_CORE_OP) for layer in layers)
+        calls.clear()
+        outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        # every GDN layer ran its core while generating: at least once per decode step
+        counts = {prefix: calls.count(prefix) for prefix in {layer.prefix for layer in layers}}
+        print(f"{label}: core calls per GDN layer {counts}")
+        assert all(c >= MAX_TOKENS for c in counts.values()), counts
+        del llm  # a routing-margin check starts an engine of its own
+        check_identity(outputs, plain["outputs"], plain["gaps"], label, tiny_hybrid, prompts)
