@@ -5,7 +5,8 @@
 # (models/hybrid-hspec/policy_cpu.json, fitted to this kind of machine's round costs). DFlash is not a
 # row: vLLM 0.26 refuses a DFlash drafter on a hybrid target at engine start.
 #
-#   bash examples/cpu_bench_hybrid.sh OUT_DIR        # env: LEVELS (1,4,16), OUTPUT_LEN (64), REPEATS (3)
+#   bash examples/cpu_bench_hybrid.sh OUT_DIR   # env: LEVELS (1,4,16), OUTPUT_LEN (64), REPEATS (3),
+#                                               # CONFIGS ("plain hspec"): which servers run
 #
 # The acceptance lengths do not depend on the device; the tokens/s are this CPU's (2 cores here) and
 # compare only side by side within one run.
@@ -19,8 +20,9 @@ SERVE="$PY -m vllm.entrypoints.openai.api_server --model models/hybrid --port 80
 SPEC='{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7, "hybridspec": {"gdn_kernel": true}}'
 BENCH=("$PY" -m vllm_hybridspec.cli bench --prompts models/prompts/heldout.jsonl
        --concurrency "${LEVELS:-1,4,16}" --output-len "${OUTPUT_LEN:-64}" --repeats "${REPEATS:-3}")
-"${BENCH[@]}" --serve "$SERVE" --label plain -o "$OUT/plain.json"
-"${BENCH[@]}" --serve "$SERVE --speculative-config '$SPEC'" --label hspec -o "$OUT/hspec.json" \
+CONFIGS="${CONFIGS:-plain hspec}"
+[[ " $CONFIGS " == *" plain "* ]] && "${BENCH[@]}" --serve "$SERVE" --label plain -o "$OUT/plain.json"
+[[ " $CONFIGS " == *" hspec "* ]] && "${BENCH[@]}" --serve "$SERVE --speculative-config '$SPEC'" --label hspec -o "$OUT/hspec.json" \
   --switch 'off={"drafting": false}' --switch 'all={}' \
   --switch 'sel={"policy": "models/hybrid-hspec/policy_cpu.json"}'
 "$PY" -m vllm_hybridspec.cli report "$OUT/plain.json" "$OUT"/hspec-{off,all,sel}.json --out-dir "$OUT/report"
