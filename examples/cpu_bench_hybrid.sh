@@ -25,4 +25,7 @@ CONFIGS="${CONFIGS:-plain hspec}"
 [[ " $CONFIGS " == *" hspec "* ]] && "${BENCH[@]}" --serve "$SERVE --speculative-config '$SPEC'" --label hspec -o "$OUT/hspec.json" \
   --switch 'off={"drafting": false}' --switch 'all={}' \
   --switch 'sel={"policy": "models/hybrid-hspec/policy_cpu.json"}'
-"$PY" -m vllm_hybridspec.cli report "$OUT/plain.json" "$OUT"/hspec-{off,all,sel}.json --out-dir "$OUT/report"
+# the report of what this directory holds (a sweep split over two calls merges with LABEL=a.json,b.json)
+FILES=()
+for f in "$OUT"/plain.json "$OUT"/hspec-{off,all,sel}.json; do [ -f "$f" ] && FILES+=("$f"); done
+"$PY" -m vllm_hybridspec.cli report "${FILES[@]}" --out-dir "$OUT/report"
