@@ -1,4 +1,4 @@
-"""The H-Spec drafter (importable as ``vllm_hybridspec.drafter``), usable without vLLM.
+"""The H-Spec drafter, usable without vLLM.
 
 Importing this package registers speculator type ``hspec`` with speculators, so
 ``speculators.SpeculatorModel.from_pretrained(path)`` resolves saved H-Spec checkpoints.

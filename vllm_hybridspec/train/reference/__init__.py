@@ -1,4 +1,4 @@
-"""Reference models (issue 8), importable as ``vllm_hybridspec.train.reference``.
+"""Reference models: the targets and drafters committed under ``models/``.
 
 A code corpus from the running interpreter's standard library (``corpus``), a byte-level BPE
 tokenizer trained on it (``tokenizer``), two small targets -- a Qwen3-Next GDN + MoE hybrid and a

@@ -1,4 +1,4 @@
-"""Drafter training (importable as ``vllm_hybridspec.train``): ``hybridspec train --config recipe.yaml``.
+"""Drafter training: ``hybridspec train --config recipe.yaml``.
 
 ``recipe`` (the YAML schema), ``run`` (the pipeline), ``data`` (target-generated data in speculators'
 format), ``target`` (capture and K/V recomputation), ``trainer`` (speculators' trainer on any

@@ -1,4 +1,4 @@
-"""Math and GPU kernels (importable as ``vllm_hybridspec.kernels``); no vLLM import here.
+"""Math and GPU kernels ; no vLLM import here.
 
 Without a GPU, Triton kernels can only run in Triton's interpreter.  This is the one place that
 switches it on (before any kernel is decorated), unless the user set ``TRITON_INTERPRET`` already.
