@@ -43,9 +43,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_hybridspec.compare import load_prompts
+    from vllm_hybridspec.tools.compare import load_prompts
     from vllm_hybridspec.gdn_layer import one_slot_layers
-    from vllm_hybridspec.policy.measure import time_decode_steps
+    from vllm_hybridspec.tools.costs import time_decode_steps
     from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
 
     prompts = load_prompts(args)
@@ -81,7 +81,7 @@ def main() -> None:
                           f"{s['tokens_per_step']:.2f} tok/step" for b, s in run["steps"].items())
         print(f"{name:<13} captures {run['captures']:4d} replays {run['replays']:6d}  {steps}", flush=True)
         args.out.write_text(json.dumps(result))  # what has run so far, should a later run not finish
-    from vllm_hybridspec.compare import identical_prompts
+    from vllm_hybridspec.tools.compare import identical_prompts
 
     ref = result["runs"]["eager"]["outputs"]
     ok = result["runs"]["graphs"]["replays"] > 0 and result["runs"]["eager"]["replays"] == 0

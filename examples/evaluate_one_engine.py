@@ -1,4 +1,4 @@
-"""Command line of ``vllm_hybridspec.evaluate``: costs, a fitted policy and decode speed / greedy output
+"""Command line of ``vllm_hybridspec.tools.evaluate``: costs, a fitted policy and decode speed / greedy output
 with drafting off, every draft verified and selected lengths, all on one engine start.
 
     # the Qwen3.6-35B-A3B shape, dummy weights, the dummy H-Spec drafter (examples/gpu_session.sh eval-35b
@@ -18,8 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_hybridspec.compare import load_prompts
-from vllm_hybridspec.evaluate import MODES, evaluate, summary_markdown
+from vllm_hybridspec.tools.compare import load_prompts
+from vllm_hybridspec.tools.evaluate import MODES, evaluate, summary_markdown
 
 
 def ints(text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""Command line of ``vllm_hybridspec.compare``: one target, several speculative configs, side by side.
+"""Command line of ``vllm_hybridspec.tools.compare``: one target, several speculative configs, side by side.
 
 Usage, outputs and full-size (dummy-weight) runs: see the docstring of vllm_hybridspec/compare.py.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vllm_hybridspec.compare import load_prompts, run_all, summary_table
+from vllm_hybridspec.tools.compare import load_prompts, run_all, summary_table
 
 
 def main() -> None:

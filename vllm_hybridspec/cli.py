@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from vllm_hybridspec.bench.cli import bench, replay_record, report
+from vllm_hybridspec.bench.cli import bench, report
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
+from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
+from vllm_hybridspec.tools.replay_record import replay_record
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
 
@@ -35,7 +37,7 @@ def demo(
 ) -> None:
     """Serve a reference model through vLLM with its H-Spec drafter and check the output equals plain
     decoding; then verify and commit one GDN round with the kernels against the reference."""
-    from vllm_hybridspec.demo import run_gdn_round_demo, run_serving_demo
+    from vllm_hybridspec.tools.demo import run_gdn_round_demo, run_serving_demo
 
     if kind not in ("hybrid", "dense"):
         raise typer.BadParameter(f"--kind must be hybrid or dense, got {kind!r}")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_hybridspec.bench.replay import REPLAY_METHOD, resolve_replay_speculative_config
+from vllm_hybridspec.engine.replay.config import REPLAY_METHOD, resolve_replay_speculative_config
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
 from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
 from vllm_hybridspec.options import ADDITIONAL_CONFIG_KEY, parse_options
@@ -54,7 +54,7 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> tup
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
     extra: dict[str, Any] = {}
-    if spec.get("method") == REPLAY_METHOD:  # benchmarking only (bench/replay.py)
+    if spec.get("method") == REPLAY_METHOD:  # benchmarking only (engine/replay/)
         spec, extra = resolve_replay_speculative_config(spec, target_model_config)
     else:
         spec = _resolve_method(spec, target_model_config)

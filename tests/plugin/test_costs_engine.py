@@ -193,11 +193,11 @@ def test_no_engine_guard_sees_a_valid_run(no_engine, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 # Runs examples/vllm_compare.py as __main__ with run_config poisoned in this (parent) process: with
-# --isolate every config runs in a spawned child, which imports vllm_hybridspec.compare afresh, so a
+# --isolate every config runs in a spawned child, which imports vllm_hybridspec.tools.compare afresh, so a
 # result only comes back if the config really ran in its own process.
 COMPARE_WRAPPER = """
 import runpy, sys
-import vllm_hybridspec.compare as compare
+import vllm_hybridspec.tools.compare as compare
 
 def run_config_in_parent(*args, **kwargs):
     raise SystemExit("run_config ran in the parent process: --isolate did not isolate the config")

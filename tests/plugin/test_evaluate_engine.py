@@ -1,4 +1,4 @@
-"""``vllm_hybridspec.evaluate`` (``examples/evaluate_one_engine.py``) on the CPU: one engine of the
+"""``vllm_hybridspec.tools.evaluate`` (``examples/evaluate_one_engine.py``) on the CPU: one engine of the
 reference hybrid target with its trained H-Spec drafter and the one-slot GDN layer measures the costs
 (fixed lengths, and plain steps with drafting off), fits a policy to the drafter's committed round
 records, and decodes in every mode; the modes' greedy outputs, vLLM's counters and the selector's
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybridspec.evaluate import identical_prompts
+from vllm_hybridspec.tools.evaluate import identical_prompts
 from vllm_hybridspec.policy.cost import load_costs
 from vllm_hybridspec.policy.policy_file import load_policy
 
@@ -164,7 +164,7 @@ def test_bad_settings_fail_before_an_engine_starts(monkeypatch, tmp_path, change
     """Each bad setting is a ValueError naming it, raised before ``vllm.LLM`` is constructed."""
     import vllm
 
-    from vllm_hybridspec.evaluate import evaluate
+    from vllm_hybridspec.tools.evaluate import evaluate
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started for bad input")

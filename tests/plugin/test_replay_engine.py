@@ -14,7 +14,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from vllm_hybridspec.bench.replay_proposer import ReplayBenchProposer
+from vllm_hybridspec.engine.replay.proposer import ReplayBenchProposer
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
 from .conftest import drafter_of, make_llm

@@ -10,14 +10,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_hybridspec.bench.replay import (
+from vllm_hybridspec.engine.replay.config import parse_replay_options, resolve_replay_speculative_config
+from vllm_hybridspec.engine.replay.data import (
     Continuations,
     corrupt,
     load_continuations,
     load_replay_rounds,
-    parse_replay_options,
     replayed_rounds,
-    resolve_replay_speculative_config,
     save_continuations,
 )
 from vllm_hybridspec.policy.errors import InputError
@@ -138,7 +137,7 @@ def test_options_and_speculative_config(tmp_path, rng):
     spec, extra = resolve_replay_speculative_config(
         {"method": "replay_bench", "num_speculative_tokens": 4, "replay_bench": raw}, target)
     assert spec == {"method": "custom_class", "num_speculative_tokens": 4,
-                    "model": "vllm_hybridspec.bench.replay_proposer.ReplayBenchProposer"}
+                    "model": "vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer"}
     assert extra == {"replay_bench": {**raw, "seed": 0}}
     bad = [
         ({"num_speculative_tokens": 4}, r'needs "replay_bench"'),
@@ -212,7 +211,7 @@ def simulate(proposer, prompts, outputs, max_tokens, order_rng):
 
 
 def test_proposer_against_a_simulated_greedy_target(tmp_path, rng):
-    from vllm_hybridspec.bench.replay_proposer import ReplayBenchProposer
+    from vllm_hybridspec.engine.replay.proposer import ReplayBenchProposer
 
     k, d, max_tokens = 5, 7, 120
     probs = rng.dirichlet(np.ones(d + 1))
@@ -251,7 +250,7 @@ def test_proposer_against_a_simulated_greedy_target(tmp_path, rng):
 def test_proposer_with_fixed_verification_length(tmp_path, rng):
     """The length selector (here "fixed_length": 3 verifies 2 drafts) cuts the replayed drafts; a
     greedy target then accepts min(A, 2)."""
-    from vllm_hybridspec.bench.replay_proposer import ReplayBenchProposer
+    from vllm_hybridspec.engine.replay.proposer import ReplayBenchProposer
 
     k, d, max_tokens = 4, 4, 60
     write_records(tmp_path / "r.jsonl", rng, 200, d)

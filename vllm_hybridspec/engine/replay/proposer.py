@@ -4,7 +4,7 @@
                            "replay_bench": {"records": "rounds.jsonl", "continuations": "cont.jsonl", "seed": 0},
                            "hybridspec": {"policy": "policy.json"}}'
 
-It runs as vLLM 0.26's ``"custom_class"`` method (``bench/replay.py`` translates the config in the main
+It runs as vLLM 0.26's ``"custom_class"`` method (``config.py`` translates the config in the main
 process): the V1 runner constructs it with the ``VllmConfig`` and, after each step's sampling, calls
 ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` with each input-batch row's tokens
 (prompt + output so far) on the host. For each row it proposes the next ``K`` tokens of the recorded
@@ -21,8 +21,8 @@ import logging
 import numpy as np
 import torch
 
-from vllm_hybridspec.bench.replay import (
-    REPLAY_CONFIG_KEY,
+from vllm_hybridspec.engine.replay.config import REPLAY_CONFIG_KEY
+from vllm_hybridspec.engine.replay.data import (
     Continuation,
     corrupt,
     load_continuations,

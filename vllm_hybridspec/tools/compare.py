@@ -173,7 +173,7 @@ def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int]
     """Per-step decode time at each batch size: plain decoding (``spec`` None) once per batch size; with
     a drafter whose config fixes the length (``"hybridspec": {"fixed_length": K + 1}``) at every length
     of ``lengths`` (the proposer's selector is set between runs, as ``hybridspec calibrate costs`` does)."""
-    from vllm_hybridspec.policy.measure import time_decode_steps
+    from vllm_hybridspec.tools.costs import time_decode_steps
     from vllm_hybridspec.vllm_internals import in_process_drafter
 
     out = {}

@@ -34,7 +34,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
 
-from vllm_hybridspec.compare import identical_prompts  # noqa: E402
+from vllm_hybridspec.tools.compare import identical_prompts  # noqa: E402
 
 MODES = ("plain", "all", "sel", "sel-nogate", "sel-batched")
 
@@ -58,8 +58,8 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
     """Greedy outputs, counters and per-batch-size step times of one mode."""
     from vllm import SamplingParams
 
-    from vllm_hybridspec.compare import counter_delta, spec_counters
-    from vllm_hybridspec.policy.measure import time_decode_steps
+    from vllm_hybridspec.tools.compare import counter_delta, spec_counters
+    from vllm_hybridspec.tools.costs import time_decode_steps
 
     configure_mode(selector, mode, k, policy)
     before_stats = selector.stats()
@@ -100,7 +100,7 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
 
     from vllm_hybridspec.policy.calibrate import fit_policy
     from vllm_hybridspec.policy.cost import load_costs
-    from vllm_hybridspec.policy.measure import engine_selector, measure_round_costs, write_costs
+    from vllm_hybridspec.tools.costs import engine_selector, measure_round_costs, write_costs
     from vllm_hybridspec.policy.policy_file import save_policy
     from vllm_hybridspec.policy.records import Rounds, load_records
     from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
@@ -182,7 +182,7 @@ def plain_engine_outputs(path: str, prompts: list[dict], max_tokens: int) -> lis
     file (``hybridspec replay-record``); ``ValueError`` when a prompt is not in it or too short."""
     import numpy as np
 
-    from vllm_hybridspec.bench.replay import load_continuations
+    from vllm_hybridspec.engine.replay.data import load_continuations
 
     found = load_continuations(path)
     outputs = []

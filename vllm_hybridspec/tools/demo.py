@@ -101,7 +101,7 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
     return whether every output is identical to plain decoding."""
     import argparse
 
-    from vllm_hybridspec.compare import load_prompts, run_all, summary_table
+    from vllm_hybridspec.tools.compare import load_prompts, run_all, summary_table
 
     target, drafter = models_dir / kind, models_dir / f"{kind}-hspec"
     missing = [str(p) for p in (target, drafter, models_dir / "prompts" / "heldout.jsonl") if not p.exists()]

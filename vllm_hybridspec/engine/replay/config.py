@@ -1,0 +1,67 @@
+"""``--speculative-config '{"method": "replay_bench", ...}'``: validated in the main process and translated
+to what vLLM 0.26 runs (benchmarking only; the proposer is ``proposer.ReplayBenchProposer``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_hybridspec.engine.replay.data import load_continuations, load_replay_rounds
+from vllm_hybridspec.policy.errors import InputError
+
+REPLAY_METHOD = "replay_bench"
+REPLAY_CONFIG_KEY = "replay_bench"  # the sub-dict of --speculative-config and of additional_config
+REPLAY_PROPOSER_CLASS = "vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer"
+
+
+def parse_replay_options(raw, k: int, vocab_size: int | None = None) -> dict:
+    """Validate the ``"replay_bench"`` sub-dict ``{"records": path, "continuations": path, "seed": int}``
+    against ``K`` and the target's vocabulary (both files are read); returns it normalised. Raises
+    ``ValueError`` (``InputError``) naming the bad key, file, line or field."""
+    if not isinstance(raw, dict):
+        raise InputError(f'"{REPLAY_CONFIG_KEY}" in --speculative-config must be a JSON object '
+                         f'{{"records": ..., "continuations": ..., "seed": 0}}, got {raw!r}')
+    unknown = set(raw) - {"records", "continuations", "seed"}
+    if unknown:
+        raise InputError(f'unknown "{REPLAY_CONFIG_KEY}" keys {sorted(unknown)}; valid are "records" (round-records '
+                         f'JSONL), "continuations" (`hybridspec replay-record` JSONL) and "seed"')
+    for name in ("records", "continuations"):
+        if not isinstance(raw.get(name), str):
+            raise InputError(f'"{REPLAY_CONFIG_KEY}" needs "{name}": a file path, got {raw.get(name)!r}')
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise InputError(f'"{REPLAY_CONFIG_KEY}.seed" must be an integer >= 0, got {seed!r}')
+    load_replay_rounds(raw["records"], k)
+    continuations = load_continuations(raw["continuations"])
+    if vocab_size is not None:
+        for e in continuations.entries:
+            top = int(max(e.prompt.max(), e.output.max()))
+            if top >= vocab_size:
+                raise InputError(f"continuations file '{continuations.path}': token id {top} (prompt starting "
+                                 f"{e.prompt[:8].tolist()}) is outside the target's vocabulary of {vocab_size}; "
+                                 f"was it recorded with another model?")
+    return {"records": str(Path(raw["records"]).resolve()),
+            "continuations": str(Path(raw["continuations"]).resolve()), "seed": seed}
+
+
+def resolve_replay_speculative_config(spec: dict, target_model_config) -> tuple[dict, dict]:
+    """``{"method": "replay_bench", "num_speculative_tokens": K, "replay_bench": {...}}`` as vLLM's
+    ``"custom_class"`` method with :class:`~vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer`;
+    the validated options travel to the workers in ``additional_config["replay_bench"]``."""
+    spec = dict(spec)
+    raw = spec.pop(REPLAY_CONFIG_KEY, None)
+    if raw is None:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" (benchmarking only) needs "{REPLAY_CONFIG_KEY}": '
+                         f'{{"records": <round records JSONL>, "continuations": <continuations JSONL>}}')
+    if spec.get("model") is not None:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" replays recorded continuations and takes no '
+                         f'"model" (got {spec["model"]!r})')
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise InputError(f'speculative method "{REPLAY_METHOD}" needs "num_speculative_tokens" >= 1, got {k!r}')
+    from vllm_hybridspec.vllm_internals import check_custom_class_proposer_interface, check_vllm_version
+
+    check_vllm_version()
+    check_custom_class_proposer_interface()
+    vocab = target_model_config.get_vocab_size() if target_model_config is not None else None
+    options = parse_replay_options(raw, k, vocab)
+    return {**spec, "method": "custom_class", "model": REPLAY_PROPOSER_CLASS}, {REPLAY_CONFIG_KEY: options}

@@ -1,0 +1,174 @@
+"""``hybridspec calibrate capture`` and ``hybridspec calibrate costs``: the two calibration
+measurements that run vLLM (round records of a drafter, round times of the engine); ``calibrate fit``
+turns them into a policy file (``vllm_hybridspec.policy``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.policy.cli import calibrate_app, fail
+from vllm_hybridspec.policy.errors import InputError
+
+
+@calibrate_app.command("capture")
+def capture(
+    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    speculative_config: str = typer.Option(..., help="the drafter, as --speculative-config JSON (method, model, "
+                                           "num_speculative_tokens = D)"),
+    out: Path = typer.Option(..., help="round records to write (JSONL, docs/policy.md)"),
+    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
+                                        "tokenizer); default random token ids"),
+    num_prompts: int = typer.Option(64, min=1, help="calibration prompts"),
+    output_len: int = typer.Option(256, min=1, help="tokens generated per prompt (EOS ignored)"),
+    temperature: float = typer.Option(0.0, min=0.0, help="sampling temperature of the calibration run"),
+    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
+    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
+    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON"),
+) -> None:
+    """Run target + drafter through vLLM verifying every draft token and write the round records
+    (confidences, entropies, accepted counts) that `calibrate fit --records` reads."""
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    spec = _speculative_config(speculative_config)
+    extra = _json_object(engine_args, "engine-args")
+    options = dict(spec.get("hybridspec") or {})
+    for key in ("policy", "select", "fixed_length", "batched"):
+        if options.get(key):
+            raise fail(ValueError(f'--speculative-config: "hybridspec.{key}" = {options[key]!r}; a capture run '
+                                  "verifies every draft token"))
+    token_prompts = _calibration_prompts(model, prompts, num_prompts, prompt_len, vocab)
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "hybridspec": {**options, "capture": str(out)}}
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=model, skip_tokenizer_init=True, seed=0, speculative_config=spec, disable_log_stats=False,
+                  **extra)
+    except ValueError as e:
+        raise fail(e) from None
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0)
+    llm.generate(token_prompts, params, use_tqdm=True)
+    from vllm_hybridspec.tools.compare import spec_counters
+
+    counters = spec_counters(llm)
+    from vllm_hybridspec.policy.records import Rounds, load_records
+
+    try:
+        rounds = Rounds.from_records(load_records(out))
+    except InputError as e:
+        raise fail(InputError(f"the capture run wrote no usable records: {e}")) from None
+    full = ~rounds.truncated
+    mean = rounds.accepted[full].double().mean().item() if full.any() else float("nan")
+    typer.echo(f"wrote {out}: {len(rounds)} rounds of D = {rounds.draft_len} drafts from {len(token_prompts)} "
+               f"prompts, {int(full.sum())} untruncated, mean accepted {mean:.3f} (acceptance length {1 + mean:.3f})")
+    drafts, accepted = counters.get("num_drafts"), counters.get("num_accepted_tokens")
+    typer.echo(f"vLLM's counters: {drafts:.0f} drafts, {accepted:.0f} accepted tokens; records: {len(rounds)} rounds, "
+               f"{int(rounds.accepted.sum())} accepted")
+    if drafts != len(rounds) or accepted != int(rounds.accepted.sum()):
+        typer.echo("warning: the records do not match vLLM's spec-decode counters (a round was missed or counted "
+                   "twice); do not fit a policy from them", err=True)
+        raise typer.Exit(1)
+
+
+def _speculative_config(text: str) -> dict:
+    spec = _json_object(text, "speculative-config")
+    if "num_speculative_tokens" not in spec:
+        raise fail(ValueError(f"--speculative-config needs num_speculative_tokens: {text!r}"))
+    return spec
+
+
+def _calibration_prompts(model: str, prompts: Path | None, num_prompts: int, prompt_len: int,
+                         vocab: int) -> list[dict]:
+    """Token-id prompts: the ``prompt`` texts of a JSONL file (the model's tokenizer) or random ids."""
+    import types
+
+    from vllm_hybridspec.tools.compare import load_prompts
+
+    if prompts is not None and not prompts.is_file():
+        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
+    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
+                               num_prompts=num_prompts, prompt_len=prompt_len, vocab=vocab)
+    return load_prompts(ns)
+
+
+def _json_object(text: str, name: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise fail(ValueError(f"--{name} is not valid JSON ({e}): {text!r}")) from None
+    if not isinstance(value, dict):
+        raise fail(ValueError(f"--{name} must be a JSON object, got {text!r}"))
+    return value
+
+
+@calibrate_app.command("costs")
+def costs(
+    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON (method, model, "
+                                           "num_speculative_tokens); omit with --plain to time plain decoding only"),
+    out: Path = typer.Option(..., help="cost file to write (JSON, docs/policy.md); the runs go to <out>.runs.json"),
+    lengths: str = typer.Option("1,2,4,8,12,16", help="verification lengths w (anchor + drafts), 1..K+1"),
+    batch_sizes: str = typer.Option("1", help="concurrent requests per measurement, comma-separated"),
+    plain: bool = typer.Option(False, help="also time plain decoding (no drafter) at each batch size"),
+    plain_gated: bool = typer.Option(False, help="time plain decoding in the speculative engine itself, with "
+                                     "drafting turned off as the batch gate does (no second engine start)"),
+    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
+                                        "tokenizer); default random token ids"),
+    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
+    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
+    steps: int = typer.Option(48, min=2, help="timed decode steps per (batch size, length)"),
+    warmup: int = typer.Option(4, min=1, help="steps before timing (prefill included)"),
+    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON, e.g. "
+                                    '\'{"enforce_eager": true, "load_format": "dummy"}\''),
+) -> None:
+    """Per-round decode time at fixed verification lengths, measured through vLLM (the cost file of
+    `calibrate fit`)."""
+    from tqdm import tqdm
+
+    def numbers(text: str, name: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise fail(ValueError(f"--{name} must be comma-separated integers, got {text!r}")) from None
+        if not values or min(values) < 1:
+            raise fail(ValueError(f"--{name} must be positive integers, got {text!r}"))
+        return sorted(set(values))
+
+    spec = None if speculative_config is None else _speculative_config(speculative_config)
+    extra = _json_object(engine_args, "engine-args")
+    if spec is None and not plain:
+        raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
+    if plain_gated and (spec is None or plain):
+        raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
+                              "--speculative-config and excludes --plain"))
+    batches = numbers(batch_sizes, "batch-sizes")
+    token_prompts = _calibration_prompts(model, prompts, max(batches), prompt_len, vocab)
+    if len(token_prompts) < max(batches):
+        raise fail(ValueError(f"--prompts {str(prompts)!r} has {len(token_prompts)} prompts; "
+                              f"--batch-sizes needs {max(batches)}"))
+    from vllm_hybridspec.tools.costs import measure_costs, write_costs
+
+    bar = tqdm(desc="calibrate costs", unit="run")
+
+    def progress(done: int, total: int, label: str) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        bar.set_postfix_str(label)
+
+    try:
+        cost_file, runs = measure_costs(model, spec, numbers(lengths, "lengths"), batches, token_prompts, steps,
+                                        warmup, extra, plain, progress, plain_gated=plain_gated)
+    except ValueError as e:
+        bar.close()
+        raise fail(e) from None
+    bar.close()
+    sidecar = write_costs(cost_file, runs, out)
+    for r in runs["runs"]:
+        what = "plain" if r["length"] is None else f"w={r['length']:<2}"
+        typer.echo(f"B={r['batch']:<3} {what:<6} {r['mean_ms']:9.3f} ms/step  {r['tokens_per_step']:.2f} tokens/step")
+    typer.echo(f"wrote {out if 'round_ms' in cost_file else '(no cost file: plain only)'} and {sidecar}")
