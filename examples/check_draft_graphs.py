@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tests.plugin.test_draft_round import K, build
-    from vllm_hybridspec.draft_graphs import DraftGraphs
+    from vllm_hybridspec.engine.drafting.graphs import DraftGraphs
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

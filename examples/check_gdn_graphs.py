@@ -44,9 +44,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_hybridspec.tools.compare import load_prompts
-    from vllm_hybridspec.gdn_layer import one_slot_layers
+    from vllm_hybridspec.engine.gdn.layer import one_slot_layers
     from vllm_hybridspec.tools.costs import time_decode_steps
-    from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
+    from vllm_hybridspec.engine.compat import in_process_drafter, kv_capacity_tokens
 
     prompts = load_prompts(args)
     spec = json.loads(args.speculative_config)

@@ -247,7 +247,7 @@ bench-35b-switch|bench-35b-plain|bench-35b-all|bench-35b-sel|bench-35b-dyn)
   # issue 7 (b, c): closed loop against `vllm serve` of the 35B shape (dummy weights), replayed acceptance
   # (replay_bench: the reference drafter's round records, the greedy continuations committed by eval-35b on
   # 2026-12-01). -switch: ONE speculative server, its length selector switched in place between sweeps
-  # (vllm_hybridspec.control): drafting off, every draft verified, the committed 35B policy with and without
+  # (vllm_hybridspec.engine.length.control): drafting off, every draft verified, the committed 35B policy with and without
   # its batch gate. -plain: the same server without speculation. -all/-sel/-dyn: one server per setting.
   [ -d /tmp/full-shape ] || python3 examples/full_shape_models.py --out /tmp/full-shape > "$R/full_shape.log" 2>&1
   CFG="${STAGE#bench-35b-}"

@@ -61,7 +61,7 @@ def main() -> None:
                                                                         generator=gen).tolist()}, params)
     selector = None
     if lengths != [None]:
-        from vllm_hybridspec.vllm_internals import in_process_drafter
+        from vllm_hybridspec.engine.compat import in_process_drafter
 
         selector = getattr(in_process_drafter(llm), "length_selector", None)
         if selector is None or selector.options.fixed_length is None:

@@ -43,7 +43,7 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
     serve = shlex.join(serve_command(tiny_target, free_port(), "--dtype", "float32",
                                      "--speculative-config", json.dumps(replay)))
     out = tmp_path / "replay.json"
-    # one server, three settings of its length selector switched in place (vllm_hybridspec.control):
+    # one server, three settings of its length selector switched in place (vllm_hybridspec.engine.length.control):
     # every draft verified, two tokens per round (one draft), drafting off
     switches = ["all={}", 'w2={"fixed_length": 2}', 'off={"drafting": false}']
     run = subprocess.run([*HYBRIDSPEC, "bench", "--serve", serve, "--prompts", str(token_prompts),
@@ -85,7 +85,7 @@ def test_switch_options_and_refusals_name_the_bad_value(tmp_path):
     import threading
 
     from vllm_hybridspec.bench.server import ServerError, switch_server
-    from vllm_hybridspec.control import parse_switch_options
+    from vllm_hybridspec.engine.length.control import parse_switch_options
 
     assert parse_switch_options('{"policy": "p.json", "gate": false}') == {"policy": "p.json", "gate": False}
     assert parse_switch_options('{"fixed_length": 3}') == {"fixed_length": 3}

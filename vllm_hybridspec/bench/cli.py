@@ -27,7 +27,7 @@ def _concurrencies(text: str) -> list[int]:
 
 def _switches(values: list[str] | None) -> list[tuple[str, dict]]:
     """``LABEL=OPTIONS`` pairs of --switch, in order."""
-    from vllm_hybridspec.control import parse_switch_options
+    from vllm_hybridspec.engine.length.control import parse_switch_options
 
     out = []
     for value in values or []:
@@ -46,7 +46,7 @@ def _switches(values: list[str] | None) -> list[tuple[str, dict]]:
 
 
 def _with_worker_extension(command: str) -> str:
-    from vllm_hybridspec.control import WORKER_EXTENSION
+    from vllm_hybridspec.engine.length.control import WORKER_EXTENSION
 
     return command if "--worker-extension-cls" in command else f"{command} --worker-extension-cls {WORKER_EXTENSION}"
 
@@ -82,7 +82,7 @@ def bench(
                                 "warm-up): the report gives their tokens/s spread"),
     switch: list[str] = typer.Option(None, "--switch", help="LABEL=OPTIONS (repeatable): run the whole sweep once per "
                                      "setting of the server's length selector, switched in place between sweeps "
-                                     "(vllm_hybridspec.control; OPTIONS: JSON with fixed_length, policy, gate, "
+                                     "(vllm_hybridspec.engine.length.control; OPTIONS: JSON with fixed_length, policy, gate, "
                                      "batched, drafting; {} verifies every draft); results in OUT-LABEL.json"),
 ) -> None:
     """Closed-loop load: C clients each send their next streamed completion as soon as the previous one

@@ -118,10 +118,10 @@ class ManagedServer:
 
 
 def switch_server(base_url: str, options: dict, timeout: float = 120.0) -> list[dict]:
-    """Set the length selector of every worker of a running server (``vllm_hybridspec.control``) through
+    """Set the length selector of every worker of a running server (``vllm_hybridspec.engine.length.control``) through
     vLLM's ``/collective_rpc``; returns each worker's answer. Raises :class:`ServerError` saying what is
     missing (the development endpoint, the worker extension) or the option the server refused."""
-    from vllm_hybridspec.control import CONFIGURE_METHOD, WORKER_EXTENSION
+    from vllm_hybridspec.engine.length.control import CONFIGURE_METHOD, WORKER_EXTENSION
 
     body = json.dumps({"method": CONFIGURE_METHOD, "kwargs": {"options": json.dumps(options)}}).encode()
     request = urllib.request.Request(f"{base_url}/collective_rpc", data=body,

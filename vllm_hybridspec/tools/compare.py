@@ -96,7 +96,7 @@ def run_config(name: str, spec, args, prompts) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
+    from vllm_hybridspec.engine.compat import in_process_drafter, kv_capacity_tokens
 
     spec, own_engine_args = split_engine_args(spec)
     extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
@@ -174,7 +174,7 @@ def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int]
     a drafter whose config fixes the length (``"hybridspec": {"fixed_length": K + 1}``) at every length
     of ``lengths`` (the proposer's selector is set between runs, as ``hybridspec calibrate costs`` does)."""
     from vllm_hybridspec.tools.costs import time_decode_steps
-    from vllm_hybridspec.vllm_internals import in_process_drafter
+    from vllm_hybridspec.engine.compat import in_process_drafter
 
     out = {}
     selector = None

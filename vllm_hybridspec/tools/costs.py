@@ -100,7 +100,7 @@ def measure_costs(model: str, speculative_config: dict | None, lengths: list[int
     runs: vLLM's plain decode path), which saves an engine start (minutes at full-size shapes)."""
     from vllm import LLM
 
-    from vllm_hybridspec.vllm_internals import kv_capacity_tokens
+    from vllm_hybridspec.engine.compat import kv_capacity_tokens
 
     runs: dict = {"model": model, "speculative_config": speculative_config, "engine_args": engine_args,
                   "steps": steps, "warmup": warmup, "runs": []}
@@ -150,7 +150,7 @@ def measure_costs(model: str, speculative_config: dict | None, lengths: list[int
 
 def engine_selector(llm, method: str = "?"):
     """The length selector of an in-process engine's proposer (``"hybridspec"`` options given)."""
-    from vllm_hybridspec.vllm_internals import in_process_drafter
+    from vllm_hybridspec.engine.compat import in_process_drafter
 
     selector = getattr(in_process_drafter(llm), "length_selector", None)
     if selector is None:

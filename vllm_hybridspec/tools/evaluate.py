@@ -103,7 +103,7 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
     from vllm_hybridspec.tools.costs import engine_selector, measure_round_costs, write_costs
     from vllm_hybridspec.policy.policy_file import save_policy
     from vllm_hybridspec.policy.records import Rounds, load_records
-    from vllm_hybridspec.vllm_internals import in_process_drafter, kv_capacity_tokens
+    from vllm_hybridspec.engine.compat import in_process_drafter, kv_capacity_tokens
 
     k = int(speculative_config["num_speculative_tokens"])
     unknown = [m for m in modes if m not in MODES]

@@ -157,7 +157,7 @@ def test_options_and_speculative_config(tmp_path, rng):
 
 
 def test_spec_config_routes_replay_bench(tmp_path, rng):
-    from vllm_hybridspec.spec_config import resolve_speculative_config
+    from vllm_hybridspec.engine.config import resolve_speculative_config
 
     write_records(tmp_path / "r.jsonl", rng, 50, 6)
     save_continuations([([1, 2, 3], [4, 5, 6, 7, 8], 2)], tmp_path / "c.jsonl")
@@ -268,7 +268,7 @@ def test_vllm_custom_class_interface(monkeypatch):
     """The vLLM 0.26 symbols the replay proposer relies on (vllm_internals.check_custom_class_proposer_interface)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_hybridspec.vllm_internals import check_custom_class_proposer_interface
+    from vllm_hybridspec.engine.replay.proposer import check_custom_class_proposer_interface
 
     check_custom_class_proposer_interface()
 

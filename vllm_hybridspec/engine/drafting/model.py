@@ -1,0 +1,440 @@
+"""The H-Spec drafter as a vLLM model (architecture ``HSpecDraftModel``).
+
+The layers are the drafter package's own torch modules (``HSpecLayer``, ``StateInjection``, RoPE, the
+DSpark Markov head), so the vLLM drafter computes exactly what training computed. What vLLM adds:
+
+* one ``vllm.attention.Attention`` per drafter attention layer, created with
+  ``kv_sharing_target_layer_name`` = the target layer it reads. vLLM then allocates no KV cache for
+  it and binds the target layer's cache tensor to it (``layer.kv_cache``); the drafter only reads
+  that tensor (``gather_prefix_kv``) and never calls the layer, so nothing is ever written to it.
+* the target's embedding and LM head, bound by the proposer after loading (never copied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from speculators.models.dspark.model_definitions import MarkovHead
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.utils import extract_layer_index
+
+from vllm_hybridspec.drafter.attention import RotaryEmbedding
+from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
+from vllm_hybridspec.drafter.mamba2 import GatedGroupRMSNorm, Mamba2Mixer
+from vllm_hybridspec.drafter.model import DraftBlock, HSpecLayer, StateInjection
+
+
+def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
+    """Target decoder-layer index -> name of its full-attention ``Attention`` layer (no sliding
+    window, own KV cache)."""
+    layers = {}
+    for name, module in static_forward_context.items():
+        if (
+            isinstance(module, Attention)
+            and module.sliding_window is None
+            and module.kv_sharing_target_layer_name is None
+        ):
+            layers[extract_layer_index(name)] = name
+    return layers
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``cache`` ``[num_blocks, kv_heads, block_size, D]``, ``blocks`` ``[N, n_blocks]`` long,
+    ``heads`` ``arange(kv_heads)`` long -> ``[N, kv_heads, capacity, D]``: one gather kernel that
+    writes the ``[N, kv_heads, n_blocks, block_size, D]`` layout directly (``cache[blocks]`` followed
+    by a transpose would copy twice)."""
+    x = cache[blocks[:, None, :], heads[None, :, None]]  # [N, kv_heads, n_blocks, block_size, D]
+    N, n_heads, n_blocks, block_size, D = x.shape
+    return x.reshape(N, n_heads, n_blocks * block_size, D)[:, :, :capacity]
+
+
+def _kv_halves_of(kv_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``k_cache`` and ``v_cache`` are exactly ``kv_cache[..., :D]`` and ``kv_cache[..., D:]``
+    (the FLASH_ATTN / TRITON_ATTN layout), so one gather of ``kv_cache`` reads both."""
+    D = k_cache.shape[-1]
+    return (
+        kv_cache.dim() == 4
+        and tuple(kv_cache.shape) == (*k_cache.shape[:-1], 2 * D)
+        and k_cache.shape == v_cache.shape
+        and k_cache.stride() == v_cache.stride() == kv_cache.stride()
+        and k_cache.dtype == v_cache.dtype == kv_cache.dtype
+        and k_cache.data_ptr() == kv_cache.data_ptr()
+        and v_cache.data_ptr() == kv_cache.data_ptr() + D * kv_cache.element_size()
+    )
+
+
+def all_kv_heads(kv: torch.Tensor, tp_size: int, total_heads: int) -> torch.Tensor:
+    """``[N, h, T, D]`` of this rank's cache -> ``[N, total_heads, T, D]``, the target's KV heads in order.
+
+    vLLM's QKV sharding: with at least as many KV heads as ranks, rank ``r`` caches heads
+    ``[r * h, (r + 1) * h)`` (``h = total / tp``), and an all-gather in rank order restores them; with
+    fewer, each head is replicated on ``tp / total`` consecutive ranks (``h = 1``), and every
+    ``tp / total``-th of the gathered heads is a distinct one. A rank that already holds every head
+    (``h = total``, e.g. ``tp = 1`` or a single KV head) gathers nothing."""
+    heads = kv.shape[1]
+    if heads == total_heads:
+        return kv
+    gathered = tp_all_gather(kv.contiguous(), dim=1)  # [N, tp * h, T, D]
+    return gathered if heads * tp_size == total_heads else gathered[:, :: tp_size // total_heads]
+
+
+def kv_heads_recoverable(per_rank: int, tp_size: int, total_heads: int) -> bool:
+    """Whether :func:`all_kv_heads` can restore ``total_heads`` from ranks caching ``per_rank`` each: a
+    rank holds all of them, an even shard of them, or one head replicated on ``tp / total`` ranks."""
+    return (per_rank == total_heads or per_rank * tp_size == total_heads
+            or (per_rank == 1 and total_heads < tp_size and tp_size % total_heads == 0))
+
+
+class HSpecForVLLM(nn.Module):
+    tp_size = 1  # the engine's tensor parallel size (set in __init__)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf_config = vllm_config.speculative_config.draft_model_config.hf_config
+        self.config = config = HSpecSpeculatorConfig.model_validate(hf_config.hspec_config)
+        tl = config.transformer_layer_config
+        g = config.attention_geometry
+        n_attn = len(config.kv_reuse_layer_ids)
+        self.layers = nn.ModuleList([HSpecLayer(config, with_attention=i < n_attn) for i in range(config.num_layers)])
+        self.state_injection = StateInjection(
+            len(config.aux_hidden_state_layer_ids) * tl.hidden_size,
+            config.fusion_rank or tl.hidden_size,
+            self.layers[0].mamba.state_shape,
+            tl.rms_norm_eps,
+        )
+        self.rotary_emb = RotaryEmbedding(g.head_dim, g.rope_theta, g.partial_rotary_factor)
+        self.norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps)
+        vocab = tl.vocab_size
+        self.markov_head = (
+            MarkovHead(verifier_vocab_size=vocab, draft_vocab_size=vocab, markov_rank=config.markov_rank,
+                       hidden_size=tl.hidden_size)
+            if config.markov_rank > 0
+            else None
+        )
+
+        # KV sharing: one vLLM Attention per drafter attention layer, on the target layer's cache
+        context = vllm_config.compilation_config.static_forward_context
+        targets = target_attention_layers(context)
+        missing = [i for i in config.kv_reuse_layer_ids if i not in targets]
+        if missing:
+            raise ValueError(
+                f"kv_reuse_layer_ids {config.kv_reuse_layer_ids}: target layers {missing} have no "
+                f"full-attention KV cache in vLLM; the target's are {sorted(targets)}"
+            )
+        self.target_layer_names = [targets[i] for i in config.kv_reuse_layer_ids]
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        first_free = vllm_config.model_config.hf_text_config.num_hidden_layers
+        self.kv_readers = nn.ModuleList()
+        for i, target_name in enumerate(self.target_layer_names):
+            target = context[target_name]
+            # under tensor parallelism each rank caches its shard of the KV heads (or, with fewer KV heads
+            # than ranks, one replicated head); the drafter, replicated on every rank, reads all of them
+            # through all_kv_heads
+            total, tp = g.num_key_value_heads, self.tp_size
+            if not kv_heads_recoverable(target.num_kv_heads, tp, total) or target.head_size != g.head_dim:
+                raise ValueError(
+                    f"drafter attention layer {i} reads {target_name} with {target.num_kv_heads} KV "
+                    f"heads of size {target.head_size} per rank (tensor parallel size {tp}), but the "
+                    f"drafter has {total} of size {g.head_dim}"
+                )
+            self.kv_readers.append(
+                Attention(
+                    num_heads=target.num_heads,
+                    head_size=target.head_size,
+                    scale=g.head_dim**-0.5,
+                    num_kv_heads=target.num_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    prefix=f"hspec_draft.layers.{first_free + i}.attn",
+                    kv_sharing_target_layer_name=target_name,
+                )
+            )
+        # the target's, bound by HSpecProposer.load_model
+        self.embed_tokens: nn.Module | None = None
+        self.target_compute_logits = None
+        # per-round constants (aranges, the block's causal mask, RoPE frequencies), made once per
+        # device and key on first use; plain attributes, not buffers, so the state dict is unchanged
+        self._constants: dict[tuple, torch.Tensor] = {}
+        self._retired_constants: list[torch.Tensor] = []  # replaced constants graphs may still read
+        # parameters kept in float32 by upcast_ssm_parameters: name -> the dtype they were loaded in
+        self._upcast_dtypes: dict[str, torch.dtype] = {}
+
+    # --- vLLM model interface (the proposer drives the drafter through `draft`) -----------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.target_compute_logits(hidden_states)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("HSpecForVLLM is driven by HSpecProposer.propose through draft()")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith(("verifier_", "embed_tokens.", "lm_head.")) or name in ("t2d", "d2t"):
+                continue  # the target's, shared at load time
+            if name not in params:
+                raise ValueError(f"H-Spec checkpoint weight {name!r} has no counterpart in the vLLM drafter")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"H-Spec checkpoint weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"{tuple(params[name].shape)}"
+                )
+            if name in self._upcast_dtypes:  # a reload after upcast_ssm_parameters: round as at load
+                tensor = tensor.to(self._upcast_dtypes[name])
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def upcast_ssm_parameters(self) -> None:
+        """Store the Mamba mixers' ``A_log``, ``D``, ``dt_bias`` and gated-norm weight in float32.
+
+        The mixer reads each of them as float32 on every call (``A_log.to(float32)``, ``D.float()``,
+        ``dt_bias.float()``, ``weight.to(float32)``): a conversion kernel per parameter, layer and
+        round. Converting the loaded values once gives every round the same float32 numbers (the
+        conversion from bfloat16 / float16 is exact), so drafts are unchanged. Call after the
+        weights are loaded; ``load_weights`` rounds later reloads of these to the original dtype."""
+        for name, param in self.named_parameters():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            attr = name.rsplit(".", 1)[1]
+            wanted = (isinstance(owner, Mamba2Mixer) and attr in ("A_log", "D", "dt_bias")) or (
+                isinstance(owner, GatedGroupRMSNorm) and attr == "weight"
+            )
+            if not wanted or param.dtype not in (torch.bfloat16, torch.float16):
+                continue
+            self._upcast_dtypes[name] = param.dtype
+            param.data = param.data.float()
+
+    def _constant(self, key: tuple, device: torch.device, make) -> torch.Tensor:
+        value = self._constants.get((*key, device))
+        if value is None:
+            value = self._constants[(*key, device)] = make()
+        return value
+
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        """``torch.arange(n, device=device)`` (int64), a slice of one cached arange. A grown arange
+        replaces the cached one, but the old tensor is kept alive: CUDA graphs captured earlier
+        (``draft_graphs.py``) read its memory, which must never be handed to anything else."""
+        have = self._constants.get(("arange", device))
+        if have is None or have.shape[0] < n:
+            if have is not None:
+                self._retired_constants.append(have)
+            have = self._constants["arange", device] = torch.arange(
+                max(n, 2 * (have.shape[0] if have is not None else 0), 4096), device=device)
+        return have[:n]
+
+    # --- drafting --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _reader_caches(reader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(kv_cache, k_cache, v_cache)`` of a KV reader (the K/V views ``[num_blocks, kv_heads,
+        block_size, D]``), or ``None`` before vLLM has bound a cache to it (profiling)."""
+        kv_cache = reader.kv_cache
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+            return None
+        k_cache, v_cache = paged_kv_views(
+            kv_cache, reader.get_attn_backend().get_name(), reader.head_size, getattr(reader.impl, "isa", None))
+        return kv_cache, k_cache, v_cache
+
+    def prefix_block_size(self) -> int | None:
+        """The smallest KV block size among the target caches the drafter reads (how far a block
+        table reaches), or ``None`` before vLLM has bound them (profiling)."""
+        caches = [self._reader_caches(reader) for reader in self.kv_readers]
+        if not caches or any(c is None for c in caches):
+            return None
+        return min(k_cache.shape[2] for _, k_cache, _ in caches)
+
+    def gather_prefix_kv(
+        self, block_table: torch.Tensor, capacity: int, prefix_lens: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per drafter attention layer, the target's cached K/V of slots ``[0, capacity)`` of each
+        request, ``[N, kv_heads, capacity, head_dim]`` each, read through ``block_table`` ``[N, >=
+        ceil(capacity / block_size)]``. A transient read; nothing is kept or written.
+
+        With ``prefix_lens`` ``[N]``, slots at or past each request's prefix are zeroed. The drafter's
+        mask excludes them, but the mask is additive: a non-finite value there (the bytes of a block
+        slot no request wrote, which vLLM's hybrid allocator may share with float32 GDN state pages)
+        would still turn the row's attention into NaN."""
+        out = []
+        N = block_table.shape[0]
+        blocks = {}  # block size -> [N, n_blocks] long, shared by the layers
+        stale = None
+        if prefix_lens is not None:  # [N, 1, capacity, 1]
+            stale = self._arange(capacity, block_table.device)[None, None, :, None] >= prefix_lens.long()[:, None, None, None]
+        for reader in self.kv_readers:
+            caches = self._reader_caches(reader)
+            if caches is None:  # profiling: no cache yet
+                g = self.config.attention_geometry
+                empty = torch.zeros(N, g.num_key_value_heads, capacity, g.head_dim,
+                                    dtype=self.norm.weight.dtype, device=block_table.device)
+                out.append((empty, empty))
+                continue
+            kv_cache, k_cache, v_cache = caches
+            block_size = k_cache.shape[2]
+            if block_size not in blocks:
+                blocks[block_size] = block_table[:, : -(-capacity // block_size)].long()  # [N, n_blocks]
+            heads = self._arange(k_cache.shape[1], block_table.device)
+            total = self.config.attention_geometry.num_key_value_heads
+            if _kv_halves_of(kv_cache, k_cache, v_cache):
+                kv = _gather_blocks(kv_cache, blocks[block_size], heads, capacity)  # one read for K and V
+                D = k_cache.shape[-1]
+                kv = all_kv_heads(kv, self.tp_size, total)
+                if stale is not None:
+                    kv = kv.masked_fill(stale, 0)
+                out.append((kv[..., :D], kv[..., D:]))
+            else:
+                k, v = (all_kv_heads(_gather_blocks(c, blocks[block_size], heads, capacity), self.tp_size, total)
+                        for c in (k_cache, v_cache))
+                if stale is not None:
+                    k, v = k.masked_fill(stale, 0), v.masked_fill(stale, 0)
+                out.append((k, v))
+        return out
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        last_hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        prefix_lens: torch.Tensor,
+        num_draft: int,
+    ) -> DraftBlock:
+        """One block per request (``HSpecDraftModel.propose`` with vLLM's embedding and LM head):
+        ``last_hidden`` ``[N, n_sel * hidden]``, ``anchor_ids`` ``[N]``, ``prefix_lens`` ``[N]``;
+        drafts ``num_draft <= block_size - 1`` tokens."""
+        N, L = anchor_ids.shape[0], num_draft + 1
+        device = anchor_ids.device
+        capacity = prefix_kv[0][0].shape[2] if prefix_kv else 0
+        prefix_lens = prefix_lens.long()
+        positions = prefix_lens[:, None] + self._arange(L, device)  # [N, L]
+        mask_ids = self._constant(("mask_ids", L - 1), device, lambda: torch.full(
+            (1, L - 1), self.config.mask_token_id, dtype=torch.long, device=device))
+        block_ids = torch.cat([anchor_ids[:, None], mask_ids.expand(N, -1)], dim=1)  # [N, L] long
+        mask = self._block_mask(prefix_lens, positions, capacity, L)
+        state = self.state_injection(last_hidden)  # [N, H, P, S] fp32
+        hidden = self.embed_tokens(block_ids)  # [N, L, hidden]
+        cos, sin = self._rope(positions, hidden.dtype)
+        kv = iter(prefix_kv)
+        for layer in self.layers:
+            hidden = layer(hidden, state, cos, sin, next(kv) if layer.self_attn is not None else None, mask)
+        return self.draft_heads(hidden, anchor_ids)
+
+    def _block_mask(self, prefix_lens: torch.Tensor, positions: torch.Tensor, capacity: int, L: int) -> torch.Tensor:
+        """``request_block_mask(prefix_lens, capacity, L, sliding_window)`` from cached constants, with
+        ``positions`` = its query positions ``prefix_lens[:, None] + arange(L)``. The window term is
+        left out when it cannot mask anything: every prefix key ``s < prefix_len <= capacity`` lies
+        less than ``capacity + L - 1 < window`` positions before any query."""
+        device = prefix_lens.device
+        window = self.config.sliding_window
+        kv_pos = self._arange(capacity, device)  # [T]
+        prefix = kv_pos[None, None, :] < prefix_lens[:, None, None]  # [N, 1, T]
+        if window is not None and capacity + L > window:
+            prefix = prefix & (kv_pos[None, None, :] > positions[:, :, None] - window)  # [N, L, T]
+        block = self._constant(("tril", L), device,
+                               lambda: torch.ones(L, L, dtype=torch.bool, device=device).tril())
+        N = prefix_lens.shape[0]
+        return torch.cat([prefix.expand(-1, L, -1), block.expand(N, -1, -1)], dim=-1)[:, None]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self.rotary_emb(positions, dtype)`` with the inverse frequencies computed once (by the
+        same expression on the same device, so the same numbers)."""
+        rope = self.rotary_emb
+        device = positions.device
+        inv_freq = self._constant(("inv_freq",), device, lambda: 1.0 / (rope.theta ** (
+            torch.arange(0, rope.rotary_dim, 2, dtype=torch.float, device=device) / rope.rotary_dim)))
+        freqs = positions[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def draft_heads(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> DraftBlock:
+        """``HSpecDraftModel.draft_heads`` with the target's LM head: greedy tokens, top-1 probability
+        and entropy per draft position, fp32, all on device.
+
+        The same arithmetic as the reference, in fewer kernels per position: the Markov bias is added
+        to the fp32 logits with type promotion (the bias is converted exactly inside the add instead
+        of by a separate ``.float()``), ``max`` gives the greedy token (the first maximal index, as
+        ``argmax``) and its log-probability in one kernel, and the elementwise tails (the top-1
+        ``exp``, the entropy's negation) run once on the stacked ``[N, K]`` values. The reductions
+        (log-softmax, max, the entropy sum) keep their per-position shapes."""
+        N, L, d = hidden.shape
+        logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).float().view(N, L - 1, -1)
+        prev = anchor_ids
+        tokens, top1_logp, plogp = [], [], []
+        for k in range(L - 1):
+            step = logits[:, k]
+            if self.markov_head is not None:
+                step = step + self.markov_head.markov_w2(self.markov_head.prev_embeddings(prev))
+            logp = torch.log_softmax(step, dim=-1)
+            best_logp, best = logp.max(dim=-1)
+            top1_logp.append(best_logp)
+            plogp.append((logp.exp() * logp).sum(-1))
+            prev = best
+            tokens.append(best)
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1))
+
+
+# --- the reaches into vLLM this model needs --------------------------------------------------------
+
+
+def paged_kv_views(kv_cache, backend_name: str, head_size: int, cpu_isa: str | None = None):
+    """The key and value views of one layer's paged KV cache, each
+    ``[num_blocks, kv_heads, block_size, head_size]`` (strided views, no copy).
+
+    vLLM 0.26's backends all allocate the logical shape ``(num_blocks, kv_heads, block_size,
+    2 * head_size)`` (``get_kv_cache_shape``) but split it differently: ``FLASH_ATTN`` and
+    ``TRITON_ATTN`` split the last axis into ``[K | V]``; ``CPU_ATTN``
+    (``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``) views it as
+    ``(num_blocks, kv_heads, 2 * block_size, head_size)`` and chunks the token axis, and its
+    ``cpu_attn_reshape_and_cache`` op stores the key block transposed, ``[head_size, block_size]``, for
+    the ``vec``/``vec16`` kernels (``cpu_isa``, the target layer's ``impl.isa``; the AMX and other
+    layouts are not decoded here)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise RuntimeError(
+            f"vLLM changed: expected a {backend_name} KV cache of shape (num_blocks, kv_heads, "
+            f"block_size, {2 * head_size}), got {tuple(kv_cache.shape)}"
+        )
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    if backend_name == "CPU_ATTN":
+        if cpu_isa not in ("vec", "vec16"):
+            raise NotImplementedError(
+                f"the H-Spec drafter cannot read vLLM's CPU KV cache layout for isa={cpu_isa!r} "
+                "(only 'vec' and 'vec16'; AMX is chosen for bf16 on AMX CPUs: use float32 there)"
+            )
+        keys = kv_cache.view(num_blocks, kv_heads, 2, head_size, block_size)[:, :, 0].transpose(-1, -2)
+        values = kv_cache.view(num_blocks, kv_heads, 2, block_size, head_size)[:, :, 1]
+        return keys, values
+    if backend_name in ("FLASH_ATTN", "TRITON_ATTN"):
+        return kv_cache.split(head_size, dim=-1)
+    raise NotImplementedError(
+        f"the H-Spec drafter reads the target's KV cache with the CPU_ATTN, FLASH_ATTN or TRITON_ATTN "
+        f"backend; the target's full-attention layers use {backend_name} (choose one with "
+        "--attention-backend)"
+    )
+
+
+def tp_all_gather(tensor, dim: int):
+    """``vllm.distributed.tensor_model_parallel_all_gather``: the concatenation along ``dim`` of every
+    TP rank's ``tensor``, in rank order. The H-Spec drafter is replicated on every rank and reads all of
+    the target's KV heads, of which each rank caches its shard."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(tensor, dim=dim)
+
+
+def register_speculators_algorithm(name: str, update_fn) -> None:
+    """``vllm.transformers_utils.configs.speculators.algos.SUPPORTED_SPECULATORS_TYPES``: vLLM
+    converts a speculators-format ``config.json`` (as a served model or as the draft) through the
+    updater registered for its ``speculators_model_type``; ``register_speculator`` is the decorator
+    vLLM's own algorithms use, but it is not a documented plugin API."""
+    from vllm.transformers_utils.configs.speculators import algos
+
+    algos.register_speculator(name)(update_fn)

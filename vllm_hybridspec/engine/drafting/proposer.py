@@ -1,0 +1,272 @@
+"""The H-Spec proposer inside vLLM 0.26's V1 model runner.
+
+Inside vLLM an H-Spec draft runs as method "dflash" (see ``engine/config.py``), so the runner already
+does what H-Spec needs: it asks the target for the inputs of the drafter's selected layers
+(auxiliary hidden states), allots the block's parallel-drafting slots, handles rejected tokens with
+the padded drafter batch, and calls ``propose`` with the target's hidden states and attention
+metadata. ``HSpecProposer`` replaces what differs from DFlash:
+
+* no context K/V is projected or stored: the Mamba initial state comes from the last accepted
+  token's auxiliary hidden states, and attention reads the target's own paged cache;
+* one forward drafts the whole block (``HSpecForVLLM.draft``), then the Markov head picks the
+  tokens position by position;
+* each round's per-token top-1 probability and entropy stay on device in ``last_draft`` (rows in
+  the runner's input-batch order) for the length policy: with ``"hybridspec"`` options the
+  ``length_selector`` (``engine/length/selector.py``) picks how many drafts of each row the target verifies, and
+  the batch gate can skip drafting for a step.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.engine.compat import wrap_once
+from vllm_hybridspec.engine.config import is_hspec_speculative_config
+from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
+from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
+from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
+from vllm_hybridspec.engine.length.trimming import attach_selector
+from vllm_hybridspec.engine.options import hybridspec_options
+
+
+class RunnerDFlashProposer(DFlashProposer):
+    """What ``vllm.v1.worker.gpu_model_runner`` constructs as ``DFlashProposer`` once the plugin is
+    loaded: vLLM's DFlash proposer, or ``HSpecProposer`` when the draft is an H-Spec checkpoint.
+
+    For a DFlash draft with ``"hybridspec"`` options this is a small adapter: the draft
+    logits it computes anyway give each token's top-1 probability and entropy (no second lm-head
+    pass), and the length selector cuts the draft as for H-Spec. DFlash keeps context K/V of its
+    own, so a round the batch gate turns off still runs the drafter (as vLLM's dynamic speculative
+    decoding does) and only verifies nothing."""
+
+    def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
+        hspec = cls is RunnerDFlashProposer and is_hspec_speculative_config(vllm_config.speculative_config)
+        return object.__new__(HSpecProposer if hspec else cls)
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
+        options = hybridspec_options(vllm_config)
+        self.length_selector = None
+        if options is not None:
+            self.length_selector = LengthSelector(
+                options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs)
+            if runner is not None:
+                attach_selector(runner, self.length_selector)
+        self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
+        self.round_capture = None  # calibration records, with "hybridspec": {"capture": path}
+        if options is not None and options.capture is not None:
+            self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
+            if runner is not None:
+                attach_capture(runner, self.round_capture)
+
+    def _records_signals(self) -> bool:
+        wanted = self.round_capture is not None or (self.length_selector is not None and self.length_selector.trims)
+        return wanted and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self._records_signals():
+            return super()._greedy_sample(hidden_states)
+        logits = self.model.compute_logits(hidden_states)  # [N * K, vocab], request-major
+        self._signals = draft_signals(logits)
+        return logits.argmax(dim=-1)
+
+    def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata):
+        if self._records_signals():
+            self._signals = draft_signals(logits)
+        return super()._sample_from_logits(logits, sampling_metadata)
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        selector = self.length_selector
+        cad = common_attn_metadata
+        N = cad.batch_size()
+        prefix_lens = cad.seq_lens[:N]  # [N] cached tokens up to the last accepted one
+        if num_rejected_tokens_gpu is not None:
+            prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
+        self._signals = None
+        drafts = super().propose(
+            num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, cad, sampling_metadata, mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings)
+        capture = self.round_capture
+        w_rem = None  # [N], computed once for the capture and the selector
+        if capture is not None:
+            if drafts.shape[1] == 0 or self._signals is None:
+                capture.skipped()
+            else:
+                k = drafts.shape[1]
+                top1, ent = (x.view(-1, k)[:N] for x in self._signals)
+                w_rem = remaining_budget(self.runner, prefix_lens, k)
+                capture.drafted(self.runner, top1, ent, w_rem)
+        if selector is None or drafts.shape[1] == 0:
+            return drafts
+        if not selector.speculate(N):
+            return selector.gated(drafts)
+        if selector.trims and self._signals is not None:
+            k = drafts.shape[1]
+            top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
+            if w_rem is None:
+                w_rem = remaining_budget(self.runner, prefix_lens, k)
+            selector.select(drafts, top1, ent, w_rem)
+        return drafts
+
+
+class HSpecProposer(RunnerDFlashProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.last_draft: DraftBlock | None = None  # [num_reqs, K] tokens, top1_prob, entropy
+        self.draft_graphs: DraftGraphs | None = None  # set by load_model on a GPU
+
+    # --- loading ---------------------------------------------------------------------------------------
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"the H-Spec drafter reads the target's KV cache as model-dtype K/V; kv_cache_dtype="
+                f"{cache_dtype!r} is not supported yet (use 'auto')"
+            )
+        super().load_model(target_model)
+        self.model.upcast_ssm_parameters()  # after loading: the per-round float32 reads become no-ops
+        self.draft_graphs = None
+        if drafter_graphs_enabled(self.vllm_config, self.device):
+            self.draft_graphs = DraftGraphs(self.model, batch_buckets(self.vllm_config.scheduler_config.max_num_seqs))
+
+    def _maybe_share_embeddings(self, target_language_model: torch.nn.Module) -> None:
+        self.model.embed_tokens = target_language_model.model.embed_tokens
+
+    def _maybe_share_lm_head(self, target_language_model: torch.nn.Module) -> None:
+        self.model.target_compute_logits = target_language_model.compute_logits
+
+    # --- drafting --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,  # [num_tokens, n_selected * hidden], the selected layers' inputs
+        next_token_ids: torch.Tensor,  # [num_reqs], the anchors (the target's bonus tokens)
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        cad = common_attn_metadata
+        N = cad.batch_size()
+        self.num_speculative_tokens = num_speculative_tokens
+        if num_speculative_tokens == 0:
+            self.last_draft = None
+            if self.round_capture is not None:
+                self.round_capture.skipped()
+            return torch.empty(N, 0, dtype=torch.int64, device=self.device)
+        selector = self.length_selector
+        if selector is not None and not selector.speculate(N):
+            # the drafter keeps no state of its own, so a skipped round costs nothing later
+            self.last_draft = None
+            return selector.gated(torch.zeros(N, num_speculative_tokens, dtype=torch.int64, device=self.device))
+        # the last accepted token of each request and the length of its cached prefix; in the padded
+        # drafter batch the rejected drafts are still counted in query_start_loc and seq_lens
+        last = cad.query_start_loc[1 : N + 1] - 1  # [N]
+        prefix_lens = cad.seq_lens[:N]  # [N]
+        if num_rejected_tokens_gpu is not None:
+            last = last - num_rejected_tokens_gpu[:N]
+            prefix_lens = prefix_lens - num_rejected_tokens_gpu[:N]
+        # index_select takes int32 or int64 indices as they are (no conversion kernel)
+        last_hidden = target_hidden_states.index_select(0, last)  # [N, n_selected * hidden]
+        block = None
+        if self.draft_graphs is not None:  # a replayed padded round (graphs.py), None if it has none
+            block = self.draft_graphs.run(last_hidden, next_token_ids[:N], cad.block_table_tensor[:N], prefix_lens,
+                                          cad.max_seq_len, num_speculative_tokens)
+        if block is None:
+            prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len, prefix_lens)
+            block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
+        self.last_draft = block
+        w_rem = None  # [N], computed once for the capture and the selector
+        if self.round_capture is not None or (selector is not None and selector.trims):
+            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)
+        if self.round_capture is not None:
+            self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
+        if selector is not None and selector.trims:
+            selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)
+        return block.tokens
+
+    @torch.inference_mode()
+    def dummy_run(
+        self,
+        num_tokens: int,
+        use_cudagraphs: bool = True,
+        is_graph_capturing: bool = False,
+        slot_mappings: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """A drafting round of ``num_tokens // (K + 1)`` one-token requests, for memory profiling and
+        warm-up. Nothing is captured here: the drafter's graphs (``graphs.py``) are captured at
+        the first round of each batch size and prefix capacity, which only serving knows."""
+        if is_graph_capturing:
+            return
+        K = self.num_speculative_tokens
+        N = max(1, min(self.max_batch_size, num_tokens // (K + 1)))
+        n_selected = len(self.model.config.aux_hidden_state_layer_ids)
+        last_hidden = torch.zeros(N, n_selected * self.hidden_size, dtype=self.dtype, device=self.device)
+        anchors = torch.zeros(N, dtype=torch.long, device=self.device)
+        prefix_lens = torch.ones(N, dtype=torch.int32, device=self.device)
+        block_table = torch.zeros(N, 1, dtype=torch.int32, device=self.device)
+        prefix_kv = self.model.gather_prefix_kv(block_table, 1)
+        self.model.draft(last_hidden, anchors, prefix_kv, prefix_lens, K)
+
+
+# --- the reaches into vLLM this proposer needs -----------------------------------------------------
+
+
+def patch_runner_dflash_proposer(proposer_class) -> None:
+    """Replace the name ``DFlashProposer`` in ``vllm.v1.worker.gpu_model_runner`` (which the CPU runner
+    inherits) with ``proposer_class``, a subclass of ``vllm.v1.spec_decode.dflash.DFlashProposer``.
+
+    Why: ``GPUModelRunner.__init__`` picks the proposer with an ``if/elif`` chain over method names and
+    has no hook for a new one (``method="custom_class"`` constructs the class with ``vllm_config`` only
+    and then calls ``propose(sampled_token_ids, ...)`` with CPU token lists: no hidden states, no KV
+    cache, no model loading). H-Spec runs as method "dflash" inside vLLM, so the runner already asks
+    the target for auxiliary hidden states, allots the parallel-drafting slots and calls
+    ``propose(target_hidden_states=..., common_attn_metadata=...)``; this patch makes the runner's
+    ``DFlashProposer(...)`` call construct ``proposer_class``, whose ``__new__`` builds the H-Spec
+    proposer for H-Spec drafts and vLLM's own DFlash proposer otherwise. The runner's
+    ``isinstance(self.drafter, DFlashProposer)`` checks keep holding because both are subclasses."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker import gpu_model_runner
+
+    if not issubclass(proposer_class, DFlashProposer):
+        raise TypeError(f"{proposer_class} must subclass vLLM's DFlashProposer")
+    current = gpu_model_runner.DFlashProposer
+    if current is not DFlashProposer and current is not proposer_class:
+        raise RuntimeError(f"vllm.v1.worker.gpu_model_runner.DFlashProposer is already patched ({current})")
+    gpu_model_runner.DFlashProposer = proposer_class
+
+
+def patch_v2_runner_unsupported(is_hspec) -> None:
+    """Wrap ``vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features``.
+
+    Why: dense targets default to the V2 model runner on GPUs, whose speculators are chosen by
+    ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (method "dflash" would get V2's DFlash
+    speculator). H-Spec is implemented for the V1 runner, the one hybrid targets use; listing it as
+    unsupported makes vLLM fall back to V1 with its usual warning (or raise its usual error when
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` forces V2)."""
+    from vllm.config.vllm import VllmConfig
+
+    def make(original):
+        def _get_v2_model_runner_unsupported_features(self):
+            unsupported = original(self)
+            if is_hspec(self.speculative_config):
+                unsupported.append("H-Spec speculative decoding (vllm-hybridspec runs it in the V1 runner)")
+            return unsupported
+
+        return _get_v2_model_runner_unsupported_features
+
+    wrap_once(VllmConfig, "_get_v2_model_runner_unsupported_features", make)

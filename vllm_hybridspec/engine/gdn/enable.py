@@ -1,0 +1,169 @@
+"""Whether the GDN layers run with one state slot per request, and the page size that follows.
+
+On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
+"none"``, ``num_speculative_tokens + 1 <= 16``, and ``"gdn_kernel"`` is true in the ``"hybridspec"``
+options (without them: on for every method on the CPU, for H-Spec drafts on a GPU). Without a
+``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
+it is an error naming the value.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+
+from vllm_hybridspec.engine.options import hybridspec_options
+from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN
+
+logger = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+
+
+def gdn_kernel_enabled(vllm_config) -> bool:
+    """Whether the GDN layers run with one state slot per request (see the module docstring).
+
+    Called by the layer and by the model classes' page-size computation (the two must agree), in
+    every process; raises ``ValueError`` naming the bad setting when the user asked for it explicitly
+    (a ``"hybridspec"`` dict with ``"gdn_kernel": true``, the default inside the dict) and a
+    requirement does not hold."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.num_speculative_tokens:
+        return False
+    options = hybridspec_options(vllm_config)
+    explicit = options is not None
+    if explicit and not options.gdn_kernel:
+        return False
+    problem = _unmet_requirement(vllm_config)
+    if problem is None and not explicit and _on_cuda() and not _default_on_gpu(spec):
+        problem = (f'on GPUs it is on by default for H-Spec drafts only (this is method {spec.method!r}); '
+                   'opt in with "hybridspec": {"gdn_kernel": true}')
+    if problem is None:
+        return True
+    if explicit:
+        raise ValueError(f'"hybridspec": {{"gdn_kernel": true}} cannot run: {problem}; or set "gdn_kernel": false '
+                         "to keep vLLM's own GDN spec-decode path")
+    if problem not in _warned:
+        _warned.add(problem)
+        logger.warning("vllm-hybridspec: GDN layers use vLLM's own spec-decode path (a state slot per "
+                       "draft token) because %s", problem)
+    return False
+
+
+def _default_on_gpu(speculative_config) -> bool:
+    """The drafters the one-slot layer is on for by default on GPUs: H-Spec, whose float32 run on the
+    H200 gave plain decoding's greedy output on all 24 held-out prompts of the reference hybrid
+    (docs/benchmarks/h200-2026-12-01). Other methods keep vLLM's GDN path unless asked, since the
+    plugin is loaded into every vLLM process."""
+    from vllm_hybridspec.engine.config import is_hspec_speculative_config
+
+    return is_hspec_speculative_config(speculative_config)
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+def needs_torch_prefill(model_dtype: torch.dtype, on_cuda: bool) -> bool:
+    """Whether a GDN layer prefills through ``cpu_gdn.TorchChunkGatedDeltaRule``: float32 targets
+    on a CUDA device, where vLLM 0.26's FLA chunk kernel asserts on float32 inputs (on the CPU the
+    plugin's patched CPU ops already run float32)."""
+    return on_cuda and model_dtype == torch.float32
+
+
+def _unmet_requirement(vllm_config) -> str | None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        mode = vllm_config.compilation_config.cudagraph_mode
+        if not vllm_config.model_config.enforce_eager and mode is not None and mode.mixed_mode().name == "FULL":
+            # Full graphs are fine for plain decode steps only (graphs.patch_plain_decode_full_graphs
+            # makes them the only uniform batches). Spec steps must run outside full graphs: piecewise
+            # (vLLM's splitting op vllm::qwen_gdn_attention_core, which dispatches to _forward_core,
+            # stays outside the graphs, where the verify's host reads are fine) or eagerly.
+            return (f"cudagraph_mode={mode.name} runs mixed batches in full CUDA graphs, and the one-slot verify "
+                    "reads its batch layout on the host; use FULL_AND_PIECEWISE (vLLM's default), "
+                    "FULL_DECODE_ONLY, PIECEWISE or --enforce-eager")
+    elif not current_platform.is_cpu():
+        return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        # the commit runs after sampling, which only the last pipeline stage does
+        return f"pipeline_parallel_size={pp}: the one-slot commit runs after sampling, on the last stage only"
+    k = vllm_config.speculative_config.num_speculative_tokens
+    if k + 1 > MAX_VERIFY_LEN:
+        return f"num_speculative_tokens={k} but the GDN verify kernel takes at most {MAX_VERIFY_LEN - 1} drafts"
+    cache = vllm_config.cache_config
+    if cache.mamba_cache_mode != "none":
+        return (f"mamba_cache_mode={cache.mamba_cache_mode!r} (prefix caching of hybrid models); only "
+                "'none' is supported (turn prefix caching off)")
+    _, ssm_dtype = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype)
+    if ssm_dtype != torch.float32:
+        return (f"the SSM state cache is {ssm_dtype} (mamba_ssm_cache_dtype={cache.mamba_ssm_cache_dtype!r}); "
+                "the parallel verification needs float32: pass --mamba-ssm-cache-dtype float32")
+    return None
+
+
+def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (conv, ssm) state shapes of one GDN layer with the conv window plain decoding keeps
+    (``K_conv - 1`` columns, no spec columns); local head shard."""
+    return MambaStateShapeCalculator.gated_delta_net_state_shape(
+        vllm_config.parallel_config.tensor_parallel_size,
+        hf_text_config.linear_num_key_heads,
+        hf_text_config.linear_num_value_heads,
+        hf_text_config.linear_key_head_dim,
+        hf_text_config.linear_value_head_dim,
+        hf_text_config.linear_conv_kernel_dim,
+        0,
+    )
+
+
+def one_slot_page_shape(vllm_config, hf_text_config):
+    """For ``patch_gdn_page_size``: the one-slot shapes when the layer will be on,
+    ``None`` (vLLM's own shapes) otherwise."""
+    return one_slot_state_shape(vllm_config, hf_text_config) if gdn_kernel_enabled(vllm_config) else None
+
+
+# vllm/model_executor/models/: the model classes whose GDN layers are QwenGatedDeltaNetAttention
+# and whose ``get_mamba_state_shape_from_config`` sizes the hybrid page with the spec conv columns.
+QWEN_GDN_MODEL_CLASSES = (
+    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM"),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+)
+
+
+def patch_gdn_page_size(one_slot_shape) -> None:
+    """Wrap the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and
+    ``Qwen3_5MoeForConditionalGeneration`` (the Qwen3.5 MoE class inherits it from the dense one).
+    ``one_slot_shape(vllm_config, hf_text_config)`` returns the shapes to use, or ``None`` for vLLM's.
+
+    Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention
+    block and ``cache_config.mamba_page_size_padded`` from this classmethod *before* any layer exists,
+    with ``num_spec = num_speculative_tokens`` conv columns; the one-slot layer's page is the plain
+    decoding page, and ``MambaSpec`` asserts the layer's page fits the padded one. A model-class
+    registration over the same architecture names would do the same with more surface."""
+    import importlib
+
+    for module_name, class_name in QWEN_GDN_MODEL_CLASSES:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.get_mamba_state_shape_from_config  # bound classmethod
+        if getattr(original, "__hspec_wrapped__", False):
+            continue
+
+        def get_mamba_state_shape_from_config(model_cls, vllm_config, _original=original.__func__):
+            shape = one_slot_shape(vllm_config, vllm_config.model_config.hf_text_config)
+            return shape if shape is not None else _original(model_cls, vllm_config)
+
+        get_mamba_state_shape_from_config.__hspec_wrapped__ = True
+        get_mamba_state_shape_from_config.__wrapped__ = original.__func__
+        cls.get_mamba_state_shape_from_config = classmethod(get_mamba_state_shape_from_config)

@@ -1,0 +1,208 @@
+"""Verifier-side length selection inside vLLM's V1 runner (HybridSpec, throughput-aware verification).
+
+After each drafting round the proposer hands the draft's per-token top-1 probability and entropy
+``[N, K]`` to :class:`LengthSelector`, which picks on device how many of each request's ``K`` drafts
+the target verifies next step (``w - 1`` for the policy's length ``w``; ``w = 1`` verifies none),
+capped by the request's remaining output budget. The drafts tensor stays ``[N, K]``; the runner
+patches in ``trimming.py`` cut what the scheduler schedules to these counts (sync scheduling: the
+draft lists handed to the scheduler; async scheduling: the scheduler output, as vLLM does for
+``ngram_gpu``), so the rejection sampler checks exactly the selected prefixes. The lengths depend
+only on the drafter's outputs, never on the target's sampling, so greedy output and the sampling
+distribution are unchanged.
+
+The batch gate turns drafting off for a whole step when the policy's gate table says plain decoding
+is faster at this batch size: no drafter forward, every count 0, known on the host (no wait).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_hybridspec.engine.options import HybridSpecOptions
+from vllm_hybridspec.policy.policy_file import Policy
+from vllm_hybridspec.policy.selector import select_shared_length
+
+
+class _Ready:
+    """Stands in for a CUDA event when the counts are already on the host."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class LengthSelector:
+    def __init__(self, options: HybridSpecOptions, num_speculative_tokens: int, device: torch.device,
+                 max_num_reqs: int):
+        self.engine_options = options  # as the engine started: configure's defaults
+        self.k = num_speculative_tokens
+        self.device = device
+        self.drafting = True  # False: every step runs without drafts (configure(drafting=False))
+        self._apply(options)
+        # rows verified at each length w (index w = 1..K+1) since the engine started, on device
+        self.length_counts = torch.zeros(self.k + 2, dtype=torch.int64, device=device)
+        self.steps = 0
+        self.gated_steps = 0
+        self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
+        self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
+        self._cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
+        self._event = _Ready()
+        self._cuda_event = self._stream = None
+        if device.type == "cuda":
+            self._cuda_event, self._stream = torch.cuda.Event(), torch.cuda.Stream()
+
+    def _apply(self, options: HybridSpecOptions) -> None:
+        policy = Policy.load(options.policy, self.device) if options.policy else None  # may raise: nothing set yet
+        self.options, self.policy = options, policy
+        self.trims = bool(options.select or options.fixed_length is not None)
+        self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
+
+    def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
+                  gate: bool | None = None, batched: bool | None = None, drafting: bool = True) -> None:
+        """Switch a running engine's selector between measurements (``calibrate costs``,
+        ``evaluate.py``): verify exactly ``fixed_length`` tokens per request; or select lengths with
+        the policy file ``policy`` (with its batch gate unless ``gate`` is false, and its shared-length
+        variant when ``batched``; ``None`` takes the engine's ``"hybridspec"`` setting); or, with
+        ``drafting=False``, run every step without drafts (what the batch gate does for a step, i.e.
+        vLLM's plain decode path). Raises ``ValueError`` naming a bad value, as the ``"hybridspec"``
+        options do at engine start, and then leaves the selector as it was."""
+        if fixed_length is not None and policy is not None:
+            raise ValueError("configure: give fixed_length or policy, not both")
+        start = self.engine_options
+        raw = {**start.model_dump(), "fixed_length": fixed_length, "policy": policy, "select": policy is not None,
+               "gate": start.gate if gate is None else gate,
+               "batched": policy is not None and (start.batched if batched is None else batched)}
+        if fixed_length is None and policy is None:
+            raw["fixed_length"] = self.k + 1  # verify everything
+        options = HybridSpecOptions.model_validate(raw)
+        options.check(self.k)
+        self._apply(options)
+        self.drafting = drafting
+
+    @property
+    def active(self) -> bool:
+        return self.trims or self.gates or not self.drafting
+
+    # --- per round, called by the proposer --------------------------------------------------------
+
+    def speculate(self, batch: int) -> bool:
+        """The batch gate (a host decision of the batch size, identical on every TP rank)."""
+        if not self.drafting:
+            return False
+        return not self.gates or self.policy.speculate(batch)
+
+    def gated(self, drafts: torch.Tensor) -> torch.Tensor:
+        """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
+        n = drafts.shape[0]
+        self.steps += 1
+        self.gated_steps += 1
+        self.drafts, self.num_valid = drafts, None
+        self._cpu[:n] = 0
+        self._event = _Ready()
+        return drafts
+
+    def select(self, drafts: torch.Tensor, top1_prob: torch.Tensor, entropy: torch.Tensor,
+               w_rem: torch.Tensor) -> torch.Tensor:
+        """drafts, top1_prob, entropy: [N, K] (input-batch rows); w_rem: [N] int64, the most tokens
+        a round may still produce for each request (>= 1). Returns ``num_valid`` [N] int32."""
+        n, k = drafts.shape
+        self.steps += 1
+        if self.options.fixed_length is not None:
+            w = w_rem.clamp(max=self.options.fixed_length)  # min(fixed_length, w_rem), one kernel
+        elif not self.options.select or k != self.policy.draft_len:
+            # gate only (or a step vLLM asked for fewer than K drafts): verify everything
+            w = torch.full_like(w_rem, k + 1)
+        elif self.options.batched:
+            p, _, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
+            c = self.policy.batched_cost(n)
+            shared = select_shared_length(p, c.candidates, c.cost, c.rate, w_rem)
+            w = torch.minimum(shared.expand(n), w_rem)
+        else:
+            _, w0, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
+            w = torch.minimum(w0, w_rem)
+        num_valid = (w - 1).to(torch.int32)  # [N]
+        if self.options.tp_broadcast:
+            from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
+
+            num_valid = broadcast_from_tp_rank0(num_valid)
+        # length_counts[num_valid + 1] += 1, indexing the view from 1 with num_valid as it is
+        self.length_counts[1:].index_add_(0, num_valid, self._ones[:n])
+        self.drafts, self.num_valid = drafts, num_valid
+        self._copy_to_host(num_valid)
+        return num_valid
+
+    def _copy_to_host(self, num_valid: torch.Tensor) -> None:
+        n = num_valid.shape[0]
+        if self._stream is None:
+            self._cpu[:n].copy_(num_valid)
+            self._event = _Ready()
+            return
+        from vllm_hybridspec.engine.length.trimming import copy_counts_to_host
+
+        copy_counts_to_host(self._cpu, self._stream, self._cuda_event, num_valid, n)
+        self._event = self._cuda_event
+
+    # --- read by the runner patches ----------------------------------------------------------------
+
+    def counts_for(self, drafts) -> tuple[object, torch.Tensor] | None:
+        """``(event, cpu counts)`` when ``drafts`` is the tensor this selector last cut (else vLLM
+        scheduled something we did not draft, e.g. the zeros of a step that skipped the drafter)."""
+        if drafts is None or drafts is not self.drafts:
+            return None
+        return self._event, self._cpu
+
+    def host_counts(self, drafts, n: int) -> list[int] | None:
+        found = self.counts_for(drafts)
+        if found is None:
+            return None
+        event, cpu = found
+        event.synchronize()
+        return cpu[:n].tolist()
+
+    def stats(self) -> dict[str, object]:
+        """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""
+        counts = self.length_counts.tolist()
+        return {"rows_at_length": {w: c for w, c in enumerate(counts) if w >= 1 and c},
+                "steps": self.steps, "gated_steps": self.gated_steps}
+
+
+def draft_signals(logits: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 probability and entropy of each row of draft ``logits`` [R, vocab] (float32 maths,
+    in row chunks: [R, vocab] fp32 softmax is GBs at R = 256 * 15): ``top1 = exp(max - lse)``,
+    ``entropy = lse - sum softmax * logits``. Returns two [R] float32 tensors."""
+    top1 = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    ent = torch.empty_like(top1)
+    for start in range(0, logits.shape[0], rows_per_chunk):
+        x = logits[start:start + rows_per_chunk].float()
+        lse = torch.logsumexp(x, dim=-1)
+        top1[start:start + rows_per_chunk] = torch.exp(x.max(dim=-1).values - lse)
+        ent[start:start + rows_per_chunk] = lse - (torch.softmax(x, dim=-1) * x).sum(dim=-1)
+    return top1, ent
+
+
+def remaining_budget(runner, prefix_lens: torch.Tensor, k: int) -> torch.Tensor:
+    """``w_rem`` [N] int64: the tokens each request may still emit after the anchor, as a round
+    length cap in ``1..K+1`` (a round of length ``w`` emits at most ``w`` tokens).
+
+    ``budget_end`` = prompt + min(max_tokens, max_model_len - prompt) is host data of the input batch
+    (vLLM keeps ``max_tokens`` only on the host); ``prefix_lens + 1`` (cached tokens plus the anchor)
+    is on device and exact without a sync even under async scheduling.
+    """
+    batch = runner.input_batch
+    n = prefix_lens.shape[0]
+    max_model_len = runner.max_model_len
+    end = np.empty(n, dtype=np.int64)  # budget_end - 1: the anchor's "+ 1" folded in on the host
+    for i, req_id in enumerate(batch.req_ids[:n]):
+        state = runner.requests[req_id]
+        prompt = state.num_prompt_tokens
+        max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
+        end[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt) - 1
+    end_host = torch.from_numpy(end)
+    if prefix_lens.device.type == "cuda":
+        # from pageable memory a "non_blocking" copy may wait for the stream (CUDA's API sync notes:
+        # the driver may synchronize with the stream to stage pageable memory); from pinned memory it
+        # is queued (the caching host allocator keeps the block until the copy is done)
+        end_host = end_host.pin_memory()
+    end_dev = end_host.to(prefix_lens.device, non_blocking=True)
+    return torch.sub(end_dev, prefix_lens).clamp_(1, k + 1)  # int64 - int32/int64 -> int64
