@@ -40,6 +40,7 @@ class StubServer:
         self.disconnects = 0  # streams whose client went away
         self.finished = 0  # streams sent to the end
         self.kv_blocks = 0  # held by running (or leaked) requests
+        self._open: dict[asyncio.Task, asyncio.StreamWriter] = {}  # connection handlers
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -51,11 +52,19 @@ class StubServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Close the listening socket and every connection, as a server process that died."""
+        if not self._thread.is_alive():
+            return
+
         async def stop():
             self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            for writer in self._open.values():
+                writer.transport.abort()
+            if self._open:  # each handler ends as for a client that went away
+                await asyncio.wait(list(self._open), timeout=5)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -68,6 +77,7 @@ class StubServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._open[asyncio.current_task()] = writer
         idle_since = None  # None: a fresh connection
         try:
             while True:
@@ -89,6 +99,7 @@ class StubServer:
                 idle_since = time.monotonic()
         finally:
             writer.transport.abort()
+            self._open.pop(asyncio.current_task(), None)
 
     async def _answer(self, method, path, body, reader, writer) -> bool:
         """Answer one request; False when the connection is gone."""

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+
+from typer.testing import CliRunner
 
 from vllm_hybridspec.bench.client import completion_payload, open_session, stream_completion
 from vllm_hybridspec.bench.loadgen import BenchConfig, run_bench
+from vllm_hybridspec.cli import app
 
 from .stub import Faults, StubServer
 
@@ -88,3 +92,32 @@ def test_a_request_that_times_out_is_one_failed_request_with_a_plain_message(tmp
         doc = _bench(server, tmp_path, [2], 2, request_timeout=0.5)
     (lv,) = doc["levels"]
     assert (lv["completed"], lv["failed"]) == (0, 2) and lv["errors"] == {"timed out after 0.5 s": 2}
+
+
+def _bench_cli(server: StubServer, tmp_path, out, *args: str):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    return CliRunner().invoke(app, ["bench", "--url", server.url, "--prompts", str(prompts), "--warmup", "0",
+                                    "--output-len", "8", "--no-progress", "-o", str(out), *args])
+
+
+def test_a_server_that_goes_away_mid_bench_is_one_error_line(tmp_path):
+    out = tmp_path / "r.json"
+    with StubServer(token_delay=0.05) as server:
+        threading.Timer(1.0, server.stop).start()
+        run = _bench_cli(server, tmp_path, out, "--concurrency", "2,4", "--num-requests", "400")
+    assert run.exit_code == 1 and run.stderr.count("\n") == 1 and "Traceback" not in run.output
+    assert run.stderr.startswith(f"hybridspec bench: error: the server at {server.url} stopped answering during C=2 (")
+    doc = json.loads(out.read_text())
+    assert doc["status"] == "aborted" and doc["not_run_concurrencies"] == [4]
+    (lv,) = doc["levels"]
+    assert lv["completed"] > 0 and lv["failed"] >= 1 and lv["completed"] + lv["failed"] + lv["not_sent"] == 400
+
+
+def test_a_result_path_that_cannot_be_written_is_one_error_line(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with StubServer() as server:
+        run = _bench_cli(server, tmp_path, tmp_path / "taken", "--concurrency", "1", "--num-requests", "2")
+    assert run.exit_code == 1
+    assert run.stderr == f"hybridspec bench: error: could not write {tmp_path / 'taken'}: Is a directory\n"
+    assert server.completions == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "taken"]

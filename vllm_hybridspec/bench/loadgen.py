@@ -114,9 +114,14 @@ async def closed_loop(send, items: Iterator, c: int, deadline: float, outage: as
 
 
 def write_json(path: Path, doc: dict) -> None:
+    """Replace ``path`` whole (a reader never sees half a file); OSError names ``path``."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"could not write {path}: {e.strerror or e}") from None
 
 
 async def resolve_model(session, base_url: str) -> str:
@@ -159,6 +164,7 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
     doc = {"version": RESULT_VERSION, "status": "running", "error": None,
            "config": {**{k: v for k, v in vars(cfg).items()}, **(meta or {})}, "levels": []}
     out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, doc)  # a path that cannot be written stops the run before it starts
     async with open_session() as session:
         alive = lambda: health(base_url, server_alive)
         send = lambda payload: stream_completion(session, url, payload, cfg.request_timeout)
