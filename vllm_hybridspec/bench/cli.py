@@ -1,4 +1,4 @@
-"""`hybridspec bench` and `hybridspec report`."""
+"""`hybridspec bench`, `hybridspec soak` and `hybridspec report`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from vllm_hybridspec.bench.loadgen import BenchAborted, BenchConfig, run_bench
 from vllm_hybridspec.bench.prompts import load_prompts
 from vllm_hybridspec.bench.report import write_report
 from vllm_hybridspec.bench.server import ManagedServer, ServerError, switch_server, url_from_command
+from vllm_hybridspec.bench.soak import CHECKS, SoakConfig, run_soak
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # the options `bench` and `soak` share
@@ -182,6 +183,71 @@ def _print_levels(doc: dict, out: Path) -> None:
     if failed:
         typer.echo(f"warning: {failed} request(s) failed; their errors are under 'errors' in {out}", err=True)
     typer.echo(f"results: {out}")
+
+
+def soak(
+    out: Path = typer.Option(..., "--out", "-o", help="result JSON: every number and each check's verdict"),
+    duration: float = typer.Option(600.0, help="seconds during which new requests are sent"),
+    prompts: Path = typer.Option(..., help="JSONL prompts, as for `bench`; the first --probes of them are the "
+                                         "probe set, so a file keeps it fixed from one soak to the next"),
+    prompt_field: str = PROMPT_FIELD,
+    url: str = URL,
+    serve: str = SERVE,
+    serve_timeout: float = SERVE_TIMEOUT,
+    concurrency: int = typer.Option(16, help="clients C"),
+    disconnect_share: float = typer.Option(0.2, help="share of requests whose client closes the connection "
+                                           "after --disconnect-after tokens"),
+    disconnect_after: int = typer.Option(8, help="tokens a disconnecting client reads first"),
+    output_len: int = typer.Option(64, help="output tokens of every other request (EOS ignored)"),
+    probes: int = typer.Option(4, help="probe prompts (the first ones), decoded greedily before and after"),
+    probe_tokens: int = typer.Option(32, help="greedy tokens per probe"),
+    idle_timeout: float = typer.Option(60.0, help="seconds the idle server's KV-cache usage gets to reach 0"),
+    model: str = MODEL,
+    request_timeout: float = REQUEST_TIMEOUT,
+    metrics_interval: float = typer.Option(1.0, help="seconds between KV-usage scrapes of /metrics"),
+    seed: int = typer.Option(0, help="seed of which requests disconnect"),
+    progress: bool = PROGRESS,
+) -> None:
+    """A closed loop of C clients for --duration seconds, a share of them going away mid-stream; then
+    checks no request failed, the idle KV cache drains to 0, and the probes' greedy outputs are
+    unchanged. Exit 1 naming the checks that failed."""
+    for name, value, ok, valid in (("--duration", duration, duration > 0, "a positive number of seconds"),
+                                   ("--concurrency", concurrency, concurrency >= 1, "an integer >= 1"),
+                                   ("--disconnect-share", disconnect_share, 0 <= disconnect_share <= 1,
+                                    "a share between 0 and 1"),
+                                   ("--output-len", output_len, output_len >= 2, "an integer >= 2"),
+                                   ("--disconnect-after", disconnect_after, 1 <= disconnect_after < output_len,
+                                    f"an integer from 1 to --output-len - 1 = {output_len - 1}"),
+                                   ("--probes", probes, probes >= 1, "an integer >= 1"),
+                                   ("--probe-tokens", probe_tokens, probe_tokens >= 1, "an integer >= 1"),
+                                   ("--idle-timeout", idle_timeout, idle_timeout >= 0, "a number of seconds >= 0"),
+                                   ("--metrics-interval", metrics_interval, metrics_interval > 0,
+                                    "a positive number of seconds")):
+        if not ok:
+            _fail(f"{name} {value:g} is not valid; expected {valid}.", 2, "soak")
+    prompt_list = _load_prompts_or_exit("soak", prompts, None, "train", prompt_field)
+    if len(prompt_list) < probes:
+        _fail(f"--probes {probes} needs as many prompts, but {prompts} has {len(prompt_list)}.", 2, "soak")
+    base_url = _base_url(url, serve)
+    cfg = SoakConfig(base_url=base_url, duration=duration, concurrency=concurrency, disconnect_share=disconnect_share,
+                     disconnect_after=disconnect_after, output_len=output_len, num_probes=probes,
+                     probe_tokens=probe_tokens, idle_timeout=idle_timeout, model=model, request_timeout=request_timeout,
+                     metrics_interval=metrics_interval, seed=seed, label=out.stem)
+    meta = {"serve": serve, "prompt_source": str(prompts), "num_prompts": len(prompt_list)}
+    with _one_line_errors("soak", lambda: out), ExitStack() as stack:
+        server = _managed_server(stack, serve, base_url, out, serve_timeout)
+        doc = run_soak(cfg, prompt_list, out, meta=meta, server_alive=(lambda: server.alive) if server else None,
+                       progress=progress)
+    s = doc["soak"]
+    typer.echo(f"soak: {s['requests']} requests in {s['duration_s']:.0f} s at C = {concurrency} "
+               f"({s['disconnected']} closed mid-stream on purpose), {_num(s['output_throughput'])} tok/s over "
+               f"those read to the end, KV max {_num(doc['kv_cache_usage']['during']['max'], '.1%')}")
+    for name in CHECKS:
+        check = doc["checks"][name]
+        typer.echo(f"{'PASS' if check['passed'] else 'FAIL'} {name}: {check['detail']}")
+    typer.echo(f"results: {out}")
+    if doc["failed_checks"]:
+        _fail(f"failed check(s): {', '.join(doc['failed_checks'])}", 1, "soak")
 
 
 def _num(value, spec: str = ".1f", scale: float = 1.0) -> str:
