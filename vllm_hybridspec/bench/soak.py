@@ -136,10 +136,14 @@ async def _soak(send, alive, session, base_url: str, model: str, prompts: list[P
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s{postfix}")
     start = time.monotonic()
 
+    counts = {"done": 0, "cut": 0, "failed": 0}  # running counts: a long soak sends many requests
+
     def on_done(res: RequestResult) -> None:
+        counts["done"] += 1
+        counts["cut"] += res.disconnected
+        counts["failed"] += not res.ok
         bar.update(min(round(time.monotonic() - start), bar.total) - bar.n)
-        bar.set_postfix(done=len(results), cut=sum(r.disconnected for r in results),
-                        failed=sum(not r.ok for r in results), refresh=False)
+        bar.set_postfix(counts, refresh=False)
 
     outage = asyncio.Event()
     sampler = KVUsageSampler(session, base_url, cfg.metrics_interval)
