@@ -43,6 +43,7 @@ class StubServer:
         self._open: dict[asyncio.Task, asyncio.StreamWriter] = {}  # connection handlers
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stop_lock = threading.Lock()
 
     def __enter__(self) -> StubServer:
         self._thread.start()
@@ -54,11 +55,23 @@ class StubServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def stop_after(self, finished: int) -> None:
+        """Stop (from another thread) once ``finished`` streams were sent to the end: mid-run, however
+        slowly the machine runs the test."""
+        def wait_and_stop():
+            while self.finished < finished and self._thread.is_alive():
+                time.sleep(0.01)
+            self.stop()
+
+        threading.Thread(target=wait_and_stop, daemon=True).start()
+
     def stop(self) -> None:
         """Close the listening socket and every connection, as a server process that died."""
-        if not self._thread.is_alive():
-            return
+        with self._stop_lock:  # once, whichever thread comes first
+            if self._thread.is_alive():
+                self._stop()
 
+    def _stop(self) -> None:
         async def stop():
             self._server.close()
             for writer in self._open.values():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 from typer.testing import CliRunner
 
@@ -104,7 +103,7 @@ def _bench_cli(server: StubServer, tmp_path, out, *args: str):
 def test_a_server_that_goes_away_mid_bench_is_one_error_line(tmp_path):
     out = tmp_path / "r.json"
     with StubServer(token_delay=0.05) as server:
-        threading.Timer(1.0, server.stop).start()
+        server.stop_after(4)
         run = _bench_cli(server, tmp_path, out, "--concurrency", "2,4", "--num-requests", "400")
     assert run.exit_code == 1 and run.stderr.count("\n") == 1 and "Traceback" not in run.output
     assert run.stderr.startswith(f"hybridspec bench: error: the server at {server.url} stopped answering during C=2 (")

@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -99,7 +98,7 @@ def test_a_faulty_server_fails_the_soak_naming_the_check(tmp_path, prompts, faul
 
 def test_a_server_that_goes_away_mid_soak_is_one_error_line(tmp_path, prompts):
     with StubServer() as server:
-        threading.Timer(1.0, server.stop).start()
+        server.stop_after(PROBES + 4)  # four soak requests done
         run, doc = _soak(server, tmp_path, "--duration", "30")
     assert run.exit_code == 1
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.output
