@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from vllm_hybridspec.bench.cli import bench, report
+from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
 from vllm_hybridspec.tools.replay_record import replay_record
@@ -51,6 +51,7 @@ app.command("simulate")(simulate_command)
 app.command("train")(train)
 app.command("models")(models)
 app.command("bench")(bench)
+app.command("soak")(soak)
 app.command("report")(report)
 app.command("replay-record")(replay_record)
 

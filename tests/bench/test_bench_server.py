@@ -87,7 +87,7 @@ def test_server_killed_mid_run_gives_partial_result(tiny_target, token_prompts, 
                                   "--warmup", "0", "--no-progress", "-o", str(out)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
-        while not out.exists():  # written when C=1 is done
+        while not (out.exists() and json.loads(out.read_text())["levels"]):  # rewritten when C=1 is done
             assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
             time.sleep(0.1)
         time.sleep(1.5)

@@ -60,6 +60,9 @@ def test_prompts_and_errors(tmp_path):
     path.write_text('{"text": "hi"}\n')
     with pytest.raises(ValueError, match="no field 'prompt'"):
         load_prompts(path)
+    path.write_text('"fine"\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2 is not JSON \(Expecting value: line 2 column 1"):
+        load_prompts(path)
     with pytest.raises(ValueError, match="exactly one"):
         load_prompts()
 

@@ -1,9 +1,9 @@
-"""`hybridspec bench` and `hybridspec report`."""
+"""`hybridspec bench`, `hybridspec soak` and `hybridspec report`."""
 
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +13,19 @@ from vllm_hybridspec.bench.loadgen import BenchAborted, BenchConfig, run_bench
 from vllm_hybridspec.bench.prompts import load_prompts
 from vllm_hybridspec.bench.report import write_report
 from vllm_hybridspec.bench.server import ManagedServer, ServerError, switch_server, url_from_command
+from vllm_hybridspec.bench.soak import CHECKS, SoakConfig, run_soak
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+# the options `bench` and `soak` share
+URL = typer.Option(None, help="base URL of an OpenAI-compatible server [default: from --serve's --host/--port, "
+                              f"else {DEFAULT_URL}]")
+SERVE = typer.Option(None, help="a server command line to start (and stop) around the run, "
+                                "e.g. \"vllm serve Qwen/Qwen3-8B --port 8000\"")
+SERVE_TIMEOUT = typer.Option(900.0, help="seconds to wait for the started server's /health")
+PROMPT_FIELD = typer.Option("prompt", help="the JSONL field / dataset column holding the prompt")
+MODEL = typer.Option(None, help="model name for the requests [default: the server's first model]")
+REQUEST_TIMEOUT = typer.Option(600.0, help="seconds before one request counts as failed")
+PROGRESS = typer.Option(True, help="progress bars")
 
 
 def _concurrencies(text: str) -> list[int]:
@@ -51,33 +64,69 @@ def _with_worker_extension(command: str) -> str:
     return command if "--worker-extension-cls" in command else f"{command} --worker-extension-cls {WORKER_EXTENSION}"
 
 
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"hybridspec bench: error: {message}", err=True)
+def _fail(message: str, code: int = 1, command: str = "bench") -> None:
+    typer.echo(f"hybridspec {command}: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def _load_prompts_or_exit(command: str, *args) -> list:
+    try:
+        return load_prompts(*args)
+    except ValueError as e:
+        _fail(str(e), 2, command)
+
+
+def _base_url(url: str | None, serve: str | None) -> str:
+    return url or (url_from_command(serve, DEFAULT_URL) if serve else DEFAULT_URL)
+
+
+@contextmanager
+def _one_line_errors(command: str, current):
+    """What stops a run becomes one line on stderr and an exit code (1: the server or the result file,
+    130: Ctrl-C); ``current()`` is the result file being written."""
+    try:
+        yield
+    except ServerError as e:
+        _fail(str(e), 1, command)
+    except BenchAborted as e:
+        _fail(f"{e}; partial results in {current()}", 1, command)
+    except OSError as e:  # the result file or the server log could not be written
+        _fail(str(e), 1, command)
+    except KeyboardInterrupt:
+        out = current()
+        _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130, command)
+
+
+def _managed_server(stack: ExitStack, serve: str | None, base_url: str, out: Path, timeout: float,
+                    env: dict | None = None) -> ManagedServer | None:
+    """The server of ``--serve``, started (log next to ``out``) and stopped with ``stack``; None without."""
+    if not serve:
+        return None
+    log = out.with_name(out.stem + ".server.log")
+    typer.echo(f"starting the server (log: {log}) and waiting for {base_url}/health", err=True)
+    return stack.enter_context(ManagedServer(serve, base_url, log, timeout, env=env))
 
 
 def bench(
     out: Path = typer.Option(..., "--out", "-o", help="result JSON (rewritten after every level)"),
-    url: str = typer.Option(None, help="base URL of an OpenAI-compatible server [default: from --serve's "
-                                       "--host/--port, else http://127.0.0.1:8000]"),
-    serve: str = typer.Option(None, help="a server command line to start (and stop) around the run, "
-                                         "e.g. \"vllm serve Qwen/Qwen3-8B --port 8000\""),
-    serve_timeout: float = typer.Option(900.0, help="seconds to wait for the started server's /health"),
+    url: str = URL,
+    serve: str = SERVE,
+    serve_timeout: float = SERVE_TIMEOUT,
     prompts: Path = typer.Option(None, help="JSONL prompts: one {\"prompt\": text or list of token ids} per line"),
     dataset: str = typer.Option(None, help="a `datasets` name to take prompts from instead"),
     dataset_split: str = typer.Option("train"),
-    prompt_field: str = typer.Option("prompt", help="the JSONL field / dataset column holding the prompt"),
+    prompt_field: str = PROMPT_FIELD,
     concurrency: str = typer.Option("1,4,16,64,128", help="comma-separated client counts C"),
     num_requests: int = typer.Option(0, help="measured requests per level [default: max(16, 4 C)]"),
     warmup: int = typer.Option(-1, help="warm-up requests per level, excluded from the statistics [default: C]"),
     output_len: int = typer.Option(256, help="output tokens per request"),
     eos: bool = typer.Option(False, "--eos", help="stop at EOS (output-len is then a cap) instead of a fixed length"),
-    model: str = typer.Option(None, help="model name for the requests [default: the server's first model]"),
+    model: str = MODEL,
     label: str = typer.Option("", help="configuration name shown by `hybridspec report` [default: file stem]"),
-    request_timeout: float = typer.Option(600.0, help="seconds before one request counts as failed"),
+    request_timeout: float = REQUEST_TIMEOUT,
     level_timeout: float = typer.Option(1800.0, help="seconds after which a level sends no new requests"),
     metrics_interval: float = typer.Option(0.5, help="seconds between KV-usage scrapes of /metrics"),
-    progress: bool = typer.Option(True, help="progress bar per level"),
+    progress: bool = PROGRESS,
     repeats: int = typer.Option(1, min=1, help="measured runs of --num-requests per level, back to back (after one "
                                 "warm-up): the report gives their tokens/s spread"),
     switch: list[str] = typer.Option(None, "--switch", help="LABEL=OPTIONS (repeatable): run the whole sweep once per "
@@ -91,11 +140,8 @@ def bench(
     switches = _switches(switch)
     if output_len < 1:
         raise typer.BadParameter(f"--output-len must be at least 1, got {output_len}.")
-    try:
-        prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
-    except ValueError as e:
-        _fail(str(e), 2)
-    base_url = url or (url_from_command(serve, "http://127.0.0.1:8000") if serve else "http://127.0.0.1:8000")
+    prompt_list = _load_prompts_or_exit("bench", prompts, dataset, dataset_split, prompt_field)
+    base_url = _base_url(url, serve)
     cfg = BenchConfig(base_url=base_url, concurrencies=levels, num_requests=num_requests, warmup=warmup,
                       output_len=output_len, ignore_eos=not eos, model=model, label=label or out.stem,
                       request_timeout=request_timeout, level_timeout=level_timeout,
@@ -107,28 +153,17 @@ def bench(
         (name, options, out.with_name(f"{out.stem}-{name}{out.suffix or '.json'}"),
          replace(cfg, label=f"{cfg.label}-{name}")) for name, options in switches]
     docs, current = [], out
-    try:
-        with ExitStack() as stack:
-            server = None
-            if serve:
-                log = out.with_name(out.stem + ".server.log")
-                typer.echo(f"starting the server (log: {log}) and waiting for {base_url}/health", err=True)
-                env = {"VLLM_SERVER_DEV_MODE": "1"} if switches else None
-                server = stack.enter_context(ManagedServer(serve, base_url, log, serve_timeout, env=env))
-            for name, options, current, run_cfg in runs:
-                run_meta = meta
-                if name is not None:
-                    answers = switch_server(base_url, options)
-                    typer.echo(f"switched the server to {name} = {json.dumps(options)}", err=True)
-                    run_meta = {**meta, "switch": {"label": name, "options": options, "answers": answers}}
-                docs.append(run_bench(run_cfg, prompt_list, current, meta=run_meta,
-                                      server_alive=(lambda: server.alive) if server else None, progress=progress))
-    except ServerError as e:
-        _fail(str(e))
-    except BenchAborted as e:
-        _fail(f"{e}; partial results in {current}")
-    except KeyboardInterrupt:
-        _fail(f"interrupted{'; partial results in ' + str(current) if current.exists() else ''}", 130)
+    with _one_line_errors("bench", lambda: current), ExitStack() as stack:
+        server = _managed_server(stack, serve, base_url, out, serve_timeout,
+                                 {"VLLM_SERVER_DEV_MODE": "1"} if switches else None)
+        for name, options, current, run_cfg in runs:
+            run_meta = meta
+            if name is not None:
+                answers = switch_server(base_url, options)
+                typer.echo(f"switched the server to {name} = {json.dumps(options)}", err=True)
+                run_meta = {**meta, "switch": {"label": name, "options": options, "answers": answers}}
+            docs.append(run_bench(run_cfg, prompt_list, current, meta=run_meta,
+                                  server_alive=(lambda: server.alive) if server else None, progress=progress))
     for (name, _, path, _), doc in zip(runs, docs):
         if name is not None:
             typer.echo(f"{name}:")
@@ -148,6 +183,71 @@ def _print_levels(doc: dict, out: Path) -> None:
     if failed:
         typer.echo(f"warning: {failed} request(s) failed; their errors are under 'errors' in {out}", err=True)
     typer.echo(f"results: {out}")
+
+
+def soak(
+    out: Path = typer.Option(..., "--out", "-o", help="result JSON: every number and each check's verdict"),
+    duration: float = typer.Option(600.0, help="seconds during which new requests are sent"),
+    prompts: Path = typer.Option(..., help="JSONL prompts, as for `bench`; the first --probes of them are the "
+                                         "probe set, so a file keeps it fixed from one soak to the next"),
+    prompt_field: str = PROMPT_FIELD,
+    url: str = URL,
+    serve: str = SERVE,
+    serve_timeout: float = SERVE_TIMEOUT,
+    concurrency: int = typer.Option(16, help="clients C"),
+    disconnect_share: float = typer.Option(0.2, help="share of requests whose client closes the connection "
+                                           "after --disconnect-after tokens"),
+    disconnect_after: int = typer.Option(8, help="tokens a disconnecting client reads first"),
+    output_len: int = typer.Option(64, help="output tokens of every other request (EOS ignored)"),
+    probes: int = typer.Option(4, help="probe prompts (the first ones), decoded greedily before and after"),
+    probe_tokens: int = typer.Option(32, help="greedy tokens per probe"),
+    idle_timeout: float = typer.Option(60.0, help="seconds the idle server's KV-cache usage gets to reach 0"),
+    model: str = MODEL,
+    request_timeout: float = REQUEST_TIMEOUT,
+    metrics_interval: float = typer.Option(1.0, help="seconds between KV-usage scrapes of /metrics"),
+    seed: int = typer.Option(0, help="seed of which requests disconnect"),
+    progress: bool = PROGRESS,
+) -> None:
+    """A closed loop of C clients for --duration seconds, a share of them going away mid-stream; then
+    checks no request failed, the idle KV cache drains to 0, and the probes' greedy outputs are
+    unchanged. Exit 1 naming the checks that failed."""
+    for name, value, ok, valid in (("--duration", duration, duration > 0, "a positive number of seconds"),
+                                   ("--concurrency", concurrency, concurrency >= 1, "an integer >= 1"),
+                                   ("--disconnect-share", disconnect_share, 0 <= disconnect_share <= 1,
+                                    "a share between 0 and 1"),
+                                   ("--output-len", output_len, output_len >= 2, "an integer >= 2"),
+                                   ("--disconnect-after", disconnect_after, 1 <= disconnect_after < output_len,
+                                    f"an integer from 1 to --output-len - 1 = {output_len - 1}"),
+                                   ("--probes", probes, probes >= 1, "an integer >= 1"),
+                                   ("--probe-tokens", probe_tokens, probe_tokens >= 1, "an integer >= 1"),
+                                   ("--idle-timeout", idle_timeout, idle_timeout >= 0, "a number of seconds >= 0"),
+                                   ("--metrics-interval", metrics_interval, metrics_interval > 0,
+                                    "a positive number of seconds")):
+        if not ok:
+            _fail(f"{name} {value:g} is not valid; expected {valid}.", 2, "soak")
+    prompt_list = _load_prompts_or_exit("soak", prompts, None, "train", prompt_field)
+    if len(prompt_list) < probes:
+        _fail(f"--probes {probes} needs as many prompts, but {prompts} has {len(prompt_list)}.", 2, "soak")
+    base_url = _base_url(url, serve)
+    cfg = SoakConfig(base_url=base_url, duration=duration, concurrency=concurrency, disconnect_share=disconnect_share,
+                     disconnect_after=disconnect_after, output_len=output_len, num_probes=probes,
+                     probe_tokens=probe_tokens, idle_timeout=idle_timeout, model=model, request_timeout=request_timeout,
+                     metrics_interval=metrics_interval, seed=seed, label=out.stem)
+    meta = {"serve": serve, "prompt_source": str(prompts), "num_prompts": len(prompt_list)}
+    with _one_line_errors("soak", lambda: out), ExitStack() as stack:
+        server = _managed_server(stack, serve, base_url, out, serve_timeout)
+        doc = run_soak(cfg, prompt_list, out, meta=meta, server_alive=(lambda: server.alive) if server else None,
+                       progress=progress)
+    s = doc["soak"]
+    typer.echo(f"soak: {s['requests']} requests in {s['duration_s']:.0f} s at C = {concurrency} "
+               f"({s['disconnected']} closed mid-stream on purpose), {_num(s['output_throughput'])} tok/s over "
+               f"those read to the end, KV max {_num(doc['kv_cache_usage']['during']['max'], '.1%')}")
+    for name in CHECKS:
+        check = doc["checks"][name]
+        typer.echo(f"{'PASS' if check['passed'] else 'FAIL'} {name}: {check['detail']}")
+    typer.echo(f"results: {out}")
+    if doc["failed_checks"]:
+        _fail(f"failed check(s): {', '.join(doc['failed_checks'])}", 1, "soak")
 
 
 def _num(value, spec: str = ".1f", scale: float = 1.0) -> str:

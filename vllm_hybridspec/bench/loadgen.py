@@ -8,6 +8,7 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from vllm_hybridspec.bench.client import RequestResult, completion_payload, stream_completion
+from vllm_hybridspec.bench.client import (RequestResult, completion_payload, fresh_session, open_session,
+                                          stream_completion)
 from vllm_hybridspec.bench.metrics import KVUsageSampler, scrape, spec_decode_delta
 from vllm_hybridspec.bench.prompts import Prompt
 
@@ -72,6 +74,7 @@ def level_stats(c: int, planned: int, results: list[RequestResult], duration: fl
         "failed": len(failed),
         "not_sent": planned - len(results),
         "errors": dict(Counter(r.error for r in failed).most_common()),
+        **retry_stats(results),
         "duration_s": duration,
         "output_tokens": tokens,
         "output_throughput": tokens / duration if duration > 0 else None,  # tokens/s
@@ -83,18 +86,25 @@ def level_stats(c: int, planned: int, results: list[RequestResult], duration: fl
     }
 
 
-async def _closed_loop(session, url: str, payloads: list[dict], c: int, timeout: float, deadline: float,
-                       outage: asyncio.Event, on_done, health, results: list[RequestResult]) -> None:
-    """Send ``payloads`` with ``c`` clients, appending to ``results``; stop early at ``deadline`` or
-    once ``outage`` is set."""
-    next_index = 0
+def retry_stats(results: list[RequestResult]) -> dict:
+    """Requests sent again because their pooled connection had been closed by the server while idle
+    (:func:`stream_completion`): not failures, but counted, with the errors that were retried."""
+    retried = [r.retried for r in results if r.retried is not None]
+    return {"connection_retries": len(retried), "retried_errors": dict(Counter(retried).most_common())}
+
+
+async def closed_loop(send, items: Iterator, c: int, deadline: float, outage: asyncio.Event, on_done, health,
+                      results: list[RequestResult]) -> None:
+    """``c`` clients, each awaiting ``send(item)`` for the next of ``items`` as soon as its previous one
+    returned, appending to ``results``; they stop when ``items`` run out, at ``deadline``
+    (``time.monotonic``) or once ``outage`` is set (a connection error the server's health confirms)."""
 
     async def client() -> None:
-        nonlocal next_index
-        while next_index < len(payloads) and not outage.is_set() and time.monotonic() < deadline:
-            payload = payloads[next_index]
-            next_index += 1
-            res = await stream_completion(session, url, payload, timeout)
+        while not outage.is_set() and time.monotonic() < deadline:
+            item = next(items, None)
+            if item is None:
+                return
+            res = await send(item)
             results.append(res)
             on_done(res)
             if res.connection_error and not await health():
@@ -103,26 +113,40 @@ async def _closed_loop(session, url: str, payloads: list[dict], c: int, timeout:
     await asyncio.gather(*(client() for _ in range(c)))
 
 
-def _write_json(path: Path, doc: dict) -> None:
+def write_json(path: Path, doc: dict) -> None:
+    """Replace ``path`` whole (a reader never sees half a file); OSError names ``path``."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"could not write {path}: {e.strerror or e}") from None
 
 
-async def _resolve_model(session, base_url: str) -> str:
-    async with session.get(f"{base_url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as r:
-        r.raise_for_status()
-        models = (await r.json()).get("data") or []
-    if not models:
-        raise ValueError(f"{base_url}/v1/models lists no model; pass one with --model.")
+async def resolve_model(session, base_url: str) -> str:
+    """The first model ``/v1/models`` lists; raises BenchAborted saying why there is none."""
+    where = f"{base_url}/v1/models"
+    try:
+        async with session.get(where, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            r.raise_for_status()
+            doc = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise BenchAborted(f"could not list models at {where}: {type(e).__name__}: {e}") from None
+    models = doc.get("data") if isinstance(doc, dict) else None
+    if not models or not isinstance(models[0], dict) or not isinstance(models[0].get("id"), str):
+        raise BenchAborted(f"{where} lists no model (answer: {str(doc)[:100]}); pass one with --model.")
     return models[0]["id"]
 
 
-async def _health(session, base_url: str, server_alive) -> bool:
+async def health(base_url: str, server_alive) -> bool:
+    """Whether the server still answers, asked after a request's connection failed: on a fresh
+    connection, so that a stale pooled one cannot make a live server look gone."""
     if server_alive is not None and not server_alive():
         return False
     try:
-        async with session.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+        async with fresh_session() as fresh, \
+                fresh.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
             return r.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return False
@@ -140,15 +164,16 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
     doc = {"version": RESULT_VERSION, "status": "running", "error": None,
            "config": {**{k: v for k, v in vars(cfg).items()}, **(meta or {})}, "levels": []}
     out.parent.mkdir(parents=True, exist_ok=True)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        health = lambda: _health(session, base_url, server_alive)
+    write_json(out, doc)  # a path that cannot be written stops the run before it starts
+    async with open_session() as session:
+        alive = lambda: health(base_url, server_alive)
+        send = lambda payload: stream_completion(session, url, payload, cfg.request_timeout)
         try:
-            model = cfg.model or await _resolve_model(session, base_url)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            doc.update(status="aborted", error=f"could not list models at {base_url}/v1/models: {e}")
-            _write_json(out, doc)
-            raise BenchAborted(doc["error"]) from None
+            model = cfg.model or await resolve_model(session, base_url)
+        except BenchAborted as e:
+            doc.update(status="aborted", error=str(e))
+            write_json(out, doc)
+            raise
         doc["config"]["model"] = model
         prompt_index = 0
 
@@ -180,8 +205,7 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
             status = "ok"
             try:
                 deadline = time.monotonic() + cfg.level_timeout
-                await _closed_loop(session, url, take(warmup), c, cfg.request_timeout, deadline, outage,
-                                   on_done, health, warm)
+                await closed_loop(send, iter(take(warmup)), c, deadline, outage, on_done, alive, warm)
                 if not outage.is_set():
                     before = await scrape(session, base_url)
                     sampler = KVUsageSampler(session, base_url, cfg.metrics_interval)
@@ -192,8 +216,7 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
                                 break
                             run: list[RequestResult] = []
                             t_run = time.perf_counter()
-                            await _closed_loop(session, url, take(n), c, cfg.request_timeout, deadline, outage,
-                                               on_done, health, run)
+                            await closed_loop(send, iter(take(n)), c, deadline, outage, on_done, alive, run)
                             run_s = time.perf_counter() - t_run
                             measured_s += run_s
                             results += run
@@ -212,7 +235,8 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
             level = level_stats(c, n * cfg.repeats, results, measured_s)
             level["output_throughput_spread"] = throughput_spread(repeats)
             level["warmup"] = {"num_requests": warmup, "completed": sum(r.ok for r in warm),
-                               "failed": sum(not r.ok for r in warm)}
+                               "failed": sum(not r.ok for r in warm),
+                               "connection_retries": retry_stats(warm)["connection_retries"]}
             level["spec_decode"] = spec_decode_delta(before, after)
             level["mean_acceptance_length"] = level["spec_decode"]["mean_acceptance_length"]
             level["kv_cache_usage"] = kv
@@ -225,13 +249,13 @@ async def run_bench_async(cfg: BenchConfig, prompts: list[Prompt], out: Path, me
                                 f"the server at {base_url} stopped answering during C={c} "
                                 f"({errors[-1] if errors else 'no answer'})")
                 doc["not_run_concurrencies"] = cfg.concurrencies[i + 1:]
-                _write_json(out, doc)
+                write_json(out, doc)
                 if status == "interrupted":
                     raise KeyboardInterrupt
                 raise BenchAborted(doc["error"])
-            _write_json(out, doc)
+            write_json(out, doc)
     doc["status"] = "ok"
-    _write_json(out, doc)
+    write_json(out, doc)
     return doc
 
 

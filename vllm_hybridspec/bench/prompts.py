@@ -41,7 +41,10 @@ def _from_jsonl(path: Path, field: str, limit: int) -> list[Prompt]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno} is not JSON ({e}); expected one prompt per line.") from None
             if isinstance(row, dict):
                 if field not in row:
                     raise ValueError(f"{path}:{lineno} has no field {field!r} (fields: {sorted(row)}); "

@@ -3,7 +3,6 @@ configuration."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -11,11 +10,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from vllm_hybridspec.bench.schema import load_result_json
+
 
 def load_result(path: Path) -> dict:
-    doc = json.loads(Path(path).read_text())
-    if "levels" not in doc:
-        raise ValueError(f"{path} is not a `hybridspec bench` result (no 'levels'); expected the JSON it writes.")
+    doc = load_result_json(path)
     doc.setdefault("config", {})
     doc["label"] = doc["config"].get("label") or Path(path).stem
     doc["_source"] = Path(path).name
@@ -31,7 +30,7 @@ def load_merged(spec: str | Path) -> dict:
     label, sep, paths = spec.partition("=")
     if not sep or Path(spec).is_file():
         return load_result(Path(spec))
-    if not label or not paths:
+    if not label or not paths or "" in paths.split(","):
         raise ValueError(f"{spec!r}: expected LABEL=PATH[,PATH...]")
     docs = [load_result(Path(p)) for p in paths.split(",")]
     levels, notes = {}, []
@@ -43,7 +42,7 @@ def load_merged(spec: str | Path) -> dict:
                 notes.append(f"C = {c} measured in {old['_source']} ({_fmt(old['output_throughput'])} tok/s) and "
                              f"{doc['_source']} ({_fmt(lv['output_throughput'])} tok/s); the latter is shown")
             levels[c] = dict(lv, _source=doc["_source"])
-    bad = [f"{d['_source']}: {d['status']}: {d['error']}" for d in docs if d.get("status") != "ok"]
+    bad = [f"{d['_source']}: {d['status']}: {d.get('error')}" for d in docs if d.get("status") != "ok"]
     merged = dict(docs[-1], label=label, levels=[levels[c] for c in sorted(levels)],
                   status="ok" if not bad else "partly ok", error="; ".join(bad) or None,
                   merged_from=[d["_source"] for d in docs], merge_notes=notes)
@@ -73,7 +72,7 @@ def markdown_table(docs: list[dict]) -> str:
                 f"| {_fmt(e2e['mean'], '.2f')} / {_fmt(e2e['p50'], '.2f')} / {_fmt(e2e['p99'], '.2f')} "
                 f"| {_fmt(lv['ttft_s']['p50'], '.1f', 1e3)} | {_fmt(lv.get('mean_acceptance_length'), '.2f')} "
                 f"| {_fmt(kv.get('mean'), '.1%')} / {_fmt(kv.get('max'), '.1%')} |")
-    notes = [f"- {doc['label']}: {doc['status']}: {doc['error']}" for doc in docs if doc.get("status") != "ok"]
+    notes = [f"- {doc['label']}: {doc['status']}: {doc.get('error')}" for doc in docs if doc.get("status") != "ok"]
     notes += [f"- {doc['label']}: {n}" for doc in docs for n in doc.get("merge_notes", [])]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 

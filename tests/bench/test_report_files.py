@@ -1,0 +1,105 @@
+"""`hybridspec report` on result files it cannot read: one line naming the file and the field, exit 2,
+and nothing written. The valid file is a real one, written by the benchmark against the stub server."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from vllm_hybridspec.bench.loadgen import BenchConfig, run_bench
+from vllm_hybridspec.cli import app
+
+from .stub import StubServer
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "good.json"
+    with StubServer() as server:
+        run_bench(BenchConfig(base_url=server.url, concurrencies=[1, 2], num_requests=4, warmup=1, output_len=6,
+                              repeats=2, metrics_interval=0.05), [[1, 2, 3]], out, progress=False)
+    return json.loads(out.read_text())
+
+
+def _report(tmp_path, *files):
+    out_dir = tmp_path / "report"
+    run = CliRunner().invoke(app, ["report", *map(str, files), "--out-dir", str(out_dir)])
+    return run, out_dir
+
+
+def test_a_valid_result_makes_a_report(result, tmp_path):
+    (tmp_path / "good.json").write_text(json.dumps(result))
+    run, out_dir = _report(tmp_path, tmp_path / "good.json")
+    assert run.exit_code == 0, run.output
+    md = (out_dir / "report.md").read_text()
+    assert "| good | 1 | 8 / 0 / 0 |" in md and "| good | 2 | 8 / 0 / 0 |" in md
+
+
+def _set(doc: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    doc[path[-1]] = value
+
+
+def _drop(doc: dict, path: tuple) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    del doc[path[-1]]
+
+
+BROKEN = [  # (how the file is broken, the error after "FILE: ")
+    (lambda d: _drop(d, ("levels",)), "no field 'levels' (expected a list of levels"),
+    (lambda d: _drop(d, ("levels", 1, "output_throughput")),
+     "levels[1]: no field 'output_throughput' (expected a number or null)"),
+    (lambda d: _set(d, ("levels", 0, "output_throughput"), "fast"),
+     "levels[0].output_throughput: expected a number or null, got the string \"fast\""),
+    (lambda d: _set(d, ("levels", 1, "e2e_s", "p99"), "1.5"),
+     "levels[1].e2e_s.p99: expected a number or null, got the string \"1.5\""),
+    (lambda d: _set(d, ("levels", 0, "failed"), True), "levels[0].failed: expected an integer >= 0, got the boolean true"),
+    (lambda d: _set(d, ("levels", 0, "concurrency"), 0), "levels[0].concurrency: expected an integer >= 1, got the number 0"),
+    (lambda d: _set(d, ("levels", 0, "output_throughput_spread", "repeats"), [1.0, None]),
+     "levels[0].output_throughput_spread.repeats[1]: expected a number, got null"),
+    (lambda d: _set(d, ("levels",), {"1": {}}), "levels: expected a list of levels"),
+]
+
+
+@pytest.mark.parametrize("breaks, message", BROKEN)
+def test_a_broken_result_is_refused_naming_the_file_and_the_field(result, tmp_path, breaks, message):
+    doc = copy.deepcopy(result)
+    breaks(doc)
+    (tmp_path / "good.json").write_text(json.dumps(result))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    run, out_dir = _report(tmp_path, tmp_path / "good.json", bad)  # a valid file first: still nothing written
+    assert run.exit_code == 2
+    assert run.stdout == "" and run.stderr.count("\n") == 1
+    assert run.stderr.startswith(f"hybridspec report: error: {bad}: {message}")
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{\"levels\": [", "not JSON (Expecting value: line 1 column 13 (char 12)); expected a `hybridspec bench` result"),
+    ("", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("[1, 2]", "expected an object with status, levels, got a list [1, 2]"),
+    (json.dumps({"kind": "soak", "status": "passed"}), "a `hybridspec soak` result; the report reads"),
+])
+def test_a_file_that_is_no_result_is_refused(tmp_path, text, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    run, out_dir = _report(tmp_path, bad)
+    assert (run.exit_code, run.stderr.count("\n")) == (2, 1)
+    assert run.stderr.startswith(f"hybridspec report: error: {bad}: {message}")
+    assert not out_dir.exists()
+
+
+def test_a_missing_file_or_an_empty_merge_entry_is_refused(tmp_path):
+    run, out_dir = _report(tmp_path, tmp_path / "missing.json")
+    assert run.exit_code == 2
+    assert run.stderr == (f"hybridspec report: error: {tmp_path / 'missing.json'}: cannot read it (No such file or "
+                          "directory); expected a `hybridspec bench` result JSON.\n")
+    run, out_dir = _report(tmp_path, f"all={tmp_path / 'a.json'},")
+    assert run.exit_code == 2 and "expected LABEL=PATH[,PATH...]" in run.stderr
+    assert not out_dir.exists()

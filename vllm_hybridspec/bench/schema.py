@@ -1,0 +1,117 @@
+"""The fields of a `hybridspec bench` result file that `hybridspec report` reads, checked when a file
+is loaded, so a hand-edited, truncated or foreign file is refused with one line naming the file and
+the field instead of a KeyError half-way through the plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class InvalidResult(ValueError):
+    """A result file the report cannot read; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class _Value:
+    expected: str
+    accepts: Callable[[object], bool]
+
+
+@dataclass(frozen=True)
+class _Object:
+    required: dict
+    optional: dict = field(default_factory=dict)
+    nullable: bool = False
+
+    @property
+    def expected(self) -> str:
+        keys = ", ".join(self.required) or "any fields"
+        return f"an object with {keys}" + (" or null" if self.nullable else "")
+
+
+@dataclass(frozen=True)
+class _List:
+    item: _Object | _Value
+    expected: str
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+_NUMBER = _Value("a number", _is_number)
+_NUMBER_OR_NULL = _Value("a number or null", lambda v: v is None or _is_number(v))
+_COUNT = _Value("an integer >= 0", _is_count)
+_TEXT = _Value("a string", lambda v: isinstance(v, str))
+_SUMMARY = _Object({"mean": _NUMBER_OR_NULL, "p50": _NUMBER_OR_NULL, "p99": _NUMBER_OR_NULL})
+_LEVEL = _Object(
+    required={"concurrency": _Value("an integer >= 1", lambda v: _is_count(v) and v >= 1), "completed": _COUNT,
+              "failed": _COUNT, "output_throughput": _NUMBER_OR_NULL, "request_throughput": _NUMBER_OR_NULL,
+              "ttft_s": _SUMMARY, "itl_s": _SUMMARY, "e2e_s": _SUMMARY},
+    optional={"not_sent": _COUNT, "status": _TEXT, "mean_acceptance_length": _NUMBER_OR_NULL,
+              "kv_cache_usage": _Object({}, {"mean": _NUMBER_OR_NULL, "max": _NUMBER_OR_NULL}, nullable=True),
+              "output_throughput_spread": _Object({"min": _NUMBER, "max": _NUMBER,
+                                                   "repeats": _List(_NUMBER, "a list of numbers")}, nullable=True)})
+_RESULT = _Object({"status": _TEXT, "levels": _List(_LEVEL, "a list of levels (objects with concurrency, completed, ...)")},
+                  {"config": _Object({}), "error": _Value("a string or null", lambda v: v is None or isinstance(v, str))})
+
+
+class _Bad(Exception):
+    def __init__(self, where: str, text: str):
+        super().__init__(f"{where}: {text}" if where else text)
+
+
+def _check(value, spec, where: str) -> None:
+    if isinstance(spec, _Object):
+        if value is None and spec.nullable:
+            return
+        if not isinstance(value, dict):
+            raise _Bad(where, f"expected {spec.expected}, got {_shown(value)}")
+        for key, sub in spec.required.items():
+            if key not in value:
+                raise _Bad(where, f"no field {key!r} (expected {sub.expected})")
+        for key, sub in {**spec.required, **spec.optional}.items():
+            if key in value:
+                _check(value[key], sub, f"{where}.{key}" if where else key)
+    elif isinstance(spec, _List):
+        if not isinstance(value, list):
+            raise _Bad(where, f"expected {spec.expected}, got {_shown(value)}")
+        for i, item in enumerate(value):
+            _check(item, spec.item, f"{where}[{i}]")
+    elif not spec.accepts(value):
+        raise _Bad(where, f"expected {spec.expected}, got {_shown(value)}")
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "null"
+    text = json.dumps(value)
+    kind = {dict: "an object", list: "a list", str: "the string", bool: "the boolean"}.get(type(value), "the number")
+    return f"{kind} {text if len(text) <= 40 else text[:40] + '...'}"
+
+
+def load_result_json(path: Path) -> dict:
+    """The result file at ``path``, checked; raises :class:`InvalidResult` in one line naming the file
+    and the first field the report could not read (what is missing, or what was found instead)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InvalidResult(f"{path}: cannot read it ({e.strerror or e}); expected a `hybridspec bench` result JSON.") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise InvalidResult(f"{path}: not JSON ({e}); expected a `hybridspec bench` result JSON.") from None
+    if isinstance(doc, dict) and doc.get("kind") == "soak":
+        raise InvalidResult(f"{path}: a `hybridspec soak` result; the report reads `hybridspec bench` results.")
+    try:
+        _check(doc, _RESULT, "")
+    except _Bad as e:
+        raise InvalidResult(f"{path}: {e}") from None
+    return doc
