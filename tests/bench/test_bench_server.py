@@ -42,7 +42,7 @@ def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_pa
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 4]
     for lv in doc["levels"]:
         assert (lv["completed"], lv["failed"], lv["not_sent"]) == (16, 0, 0)
-        assert lv["warmup"] == {"num_requests": 2, "completed": 2, "failed": 0}
+        assert lv["warmup"] == {"num_requests": 2, "completed": 2, "failed": 0, "connection_retries": 0}
         assert lv["output_tokens"] == 16 * 48  # ignore_eos: a fixed output length
         assert lv["output_throughput"] == pytest.approx(lv["output_tokens"] / lv["duration_s"])
         spread = lv["output_throughput_spread"]  # each run's 8 * 48 tokens over its own time
