@@ -170,3 +170,51 @@ def reconstruct_state(initial_state: torch.Tensor, factors: CompactFactors, m: i
     k = factors.k[:m].repeat_interleave(HV // HK, dim=1)  # [m, HV, K]
     return torch.exp(G[m - 1])[:, None, None] * S0 + torch.einsum(
         "jhv,jhk->hvk", factors.z[:m] * w[:, :, None], k)
+
+
+def commit_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor,
+    slabs: CompactFactors, slab_len: int,
+    pending_entry: torch.Tensor, pending_m: torch.Tensor, target_entry: torch.Tensor,
+    scale: float | None = None, use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, CompactFactors]:
+    """Lazy commit, then verification, one sequence at a time: what ``fused.gdn_commit_verify`` does.
+
+    Per sequence ``i`` with slot ``state_indices[i] > 0`` and at least one token: when
+    ``pending_entry[i] >= 0`` and ``pending_m[i] > 0`` the state advances through the first
+    ``pending_m[i]`` tokens of the round stored in that entry (Eq. 7, :func:`reconstruct_state`);
+    then the sequence's tokens are verified from it (:func:`chunk_verify`) and their factors
+    written to the rows of entry ``target_entry[i]``. Other sequences are skipped.
+
+    Args:
+        q, k: ``[T, HK, K]``; v: ``[T, HV, V]``; g, beta: ``[T, HV]`` (gates, not raw inputs).
+        state: pool ``[slots, HV, V, K]`` (fp32, or fp64 for a high-precision reference).
+        state_indices: ``[N]`` int slots; cu_seqlens: ``[N + 1]`` int token offsets.
+        slabs: :class:`CompactFactors` with ``z`` ``[E * slab_len, HV, V]``, ``k``
+            ``[E * slab_len, HK, K]`` and ``g_cum`` ``[E * slab_len, HV]``; entry ``e`` holds a round
+            in rows ``e * slab_len ..``.
+        pending_entry, pending_m, target_entry: ``[N]`` int (entry of the previous round or -1,
+            its committed count ``0..slab_len``, entry for this round's factors).
+    Returns:
+        ``(o, state, slabs)``: ``o`` ``[T, HV, V]`` (zeros for skipped sequences) and the updated
+        copies of the pool and slabs, all in the state's precision; the inputs are not modified.
+    """
+    dtype = torch.float64 if state.dtype == torch.float64 else torch.float32
+    state = state.to(dtype).clone()
+    slabs = CompactFactors(*(t.to(dtype).clone() for t in (slabs.z, slabs.k, slabs.g_cum)))
+    o = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for i in range(state_indices.shape[0]):
+        slot, bos, eos = int(state_indices[i]), int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+        if slot <= 0 or eos <= bos:
+            continue
+        entry, m = int(pending_entry[i]), int(pending_m[i])
+        if entry >= 0 and m > 0:
+            rows = slice(entry * slab_len, (entry + 1) * slab_len)
+            pending = CompactFactors(slabs.z[rows], slabs.k[rows], slabs.g_cum[rows])
+            state[slot] = reconstruct_state(state[slot], pending, m)
+        o[bos:eos], factors = chunk_verify(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos],
+                                           beta[bos:eos], state[slot], scale, use_qk_l2norm)
+        rows = slice(int(target_entry[i]) * slab_len, int(target_entry[i]) * slab_len + eos - bos)
+        slabs.z[rows], slabs.k[rows], slabs.g_cum[rows] = factors.z, factors.k, factors.g_cum
+    return o, state, slabs

@@ -17,6 +17,7 @@ the recurrence on a register copy of the program's slice of ``S_0`` (read once, 
 per-token state reaches memory). Its dependent chain is ``u`` short steps instead of the solve's
 matrix products, which wins for short rounds; ``gdn_verify(method="auto")`` picks by round length
 and batch (``RECURRENT_UP_TO``, set from the H200 measurements in docs/benchmarks/gdn_kernels.md).
+Both kernels are assembled from the program building blocks in ``tiles.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .tiles import _chunk_products, _chunk_solve, _program_round, _recurrent_steps, _store_round
 
 MAX_VERIFY_LEN = 16
 # "auto" steps rounds of at most RECURRENT_UP_TO[n] tokens through the recurrence on registers
@@ -55,65 +58,6 @@ def recurrent_up_to(num_seqs: int) -> int:
 
 
 @triton.jit
-def _inverse_unit_lower_series(X, I, U: tl.constexpr, PREC: tl.constexpr):
-    """``(I - X)^{-1}`` for strictly lower-triangular ``X`` of size ``BU``, nonzero in ``U`` rows."""
-    inv = I + X
-    if U > 2:
-        X2 = tl.dot(X, X, input_precision=PREC)
-        inv += X2
-        if U > 3:
-            inv += tl.dot(X2, X, input_precision=PREC)
-            if U > 4:
-                X4 = tl.dot(X2, X2, input_precision=PREC)
-                tail = I + X4
-                if U > 8:
-                    X8 = tl.dot(X4, X4, input_precision=PREC)
-                    tail += X8
-                    if U > 12:
-                        tail += tl.dot(X8, X4, input_precision=PREC)
-                inv = tl.dot(inv, tail, input_precision=PREC)
-    return inv
-
-
-@triton.jit
-def _inverse_unit_lower_rows(X, I, rows, U: tl.constexpr):
-    """Same inverse by substitution: row ``i`` of ``A = (I - X)^{-1}`` is ``e_i + X[i, :i] A[:i]``."""
-    XT = tl.trans(X)  # column i of XT is row i of X, laid out along dim 0 like A's rows
-    A = I
-    for i in tl.static_range(1, U):
-        x_i = tl.sum(tl.where(rows[None, :] == i, XT, 0.0), axis=1)  # [BU] = X[i, :]
-        A += tl.where(rows[:, None] == i, tl.sum(x_i[:, None] * A, axis=0)[None, :], 0.0)
-    return A
-
-
-@triton.jit
-def _program_round(cu_seqlens, state_indices, HK: tl.constexpr, HV: tl.constexpr):
-    """This program's value block, value head, key head, and its sequence's first token, length
-    and state slot (grid: value blocks x sequences * value heads)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-    return i_v, i_hv, i_hv // (HV // HK), bos, length, slot
-
-
-@triton.jit
-def _gates(g_or_a, beta_or_b, A_log, dt_bias, idx, mask, i_hv, FUSED_GATING: tl.constexpr):
-    """``(g, beta)`` in fp32 at ``idx`` (0 where ``mask`` is off): loaded, or computed from the Qwen
-    layer's raw ``a``, ``b`` as :func:`naive.gdn_gating` does."""
-    if FUSED_GATING:
-        x = tl.load(g_or_a + idx, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-        softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
-        b_g = tl.where(mask, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus, 0.0)
-        b_beta = tl.where(mask, tl.sigmoid(tl.load(beta_or_b + idx, mask=mask, other=0.0).to(tl.float32)), 0.0)
-    else:
-        b_g = tl.load(g_or_a + idx, mask=mask, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta_or_b + idx, mask=mask, other=0.0).to(tl.float32)
-    return b_g, b_beta
-
-
-@triton.jit
 def gdn_verify_kernel(
     q, k, v,  # [T, HK, K], [T, HK, K], [T, HV, V]
     g_or_a, beta_or_b,  # [T, HV]: (g, beta), or the raw gate inputs (a, b) when FUSED_GATING
@@ -128,86 +72,28 @@ def gdn_verify_kernel(
     USE_QK_L2NORM: tl.constexpr, FUSED_GATING: tl.constexpr, PREC: tl.constexpr,
     SERIES_FROM: tl.constexpr,  # rounds of U >= SERIES_FROM use the product series
 ):
-    """Eqs. 3 and 10 on transposed tiles: the state's value rows (``BV``) lead the big products,
-    and q and k are interleaved into one ``[2 BU, BK]`` operand, so each key chunk costs two matrix
-    products.  The key dimension is walked in chunks of ``BK`` (``S_0`` read once, no whole fp32
-    state slice in registers); the products use raw q and k and the L2 norms are applied after."""
+    """Eqs. 3 and 10 on transposed tiles: the state's value rows (``BV``) lead the big products.
+    The key dimension is walked in chunks of ``BK`` (``S_0`` read once, no whole fp32 state slice in
+    registers)."""
     i_v, i_hv, i_h, bos, length, slot = _program_round(cu_seqlens, state_indices, HK, HV)
     if (length <= 0) | (slot <= 0):
         return
 
-    o_t = tl.arange(0, BU)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t = o_t < length
-    m_v = o_v < V
-    tok = bos + o_t
-    p_qk = (tok[:, None] * HK + i_h) * K
-    # rows of the interleaved operand: token r // 2, its key (r even) or query (r odd)
-    o_r = tl.arange(0, 2 * BU)
-    m_r = (o_r // 2) < length
-    p_kq = tl.where(o_r % 2 == 0, k, q) + ((bos + o_r // 2) * HK + i_h) * K
     p_h = state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K
-
-    # [BV, BU]: v transposed
-    b_vt = tl.load(v + (tok[None, :] * HV + i_hv) * V + o_v[:, None],
-                   mask=m_t[None, :] & m_v[:, None], other=0.0).to(tl.float32)
-    b_g, b_beta = _gates(g_or_a, beta_or_b, A_log, dt_bias, tok * HV + i_hv, m_t, i_hv, FUSED_GATING)
-
     ss_kq = tl.zeros([2 * BU], dtype=tl.float32)
     ss_k = tl.zeros([BU], dtype=tl.float32)
-    s_kq = tl.zeros([BV, 2 * BU], dtype=tl.float32)  # S_0 [k; q]^T
-    k_kq = tl.zeros([BU, 2 * BU], dtype=tl.float32)  # k [k; q]^T
+    s_kq = tl.zeros([BV, 2 * BU], dtype=tl.float32)
+    k_kq = tl.zeros([BU, 2 * BU], dtype=tl.float32)
     for kc in tl.static_range(0, K, BK):
-        o_k = kc + tl.arange(0, BK)
-        kq_c = tl.load(p_kq[:, None] + o_k[None, :], mask=m_r[:, None], other=0.0).to(tl.float32)
-        k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-        h_c = tl.load(p_h + o_k[None, :], mask=m_v[:, None], other=0.0)  # [BV, BK] of S_0
-        ss_kq += tl.sum(kq_c * kq_c, axis=1)
-        ss_k += tl.sum(k_c * k_c, axis=1)
-        kq_t = tl.trans(kq_c)
-        s_kq += tl.dot(h_c, kq_t, input_precision=PREC)
-        k_kq += tl.dot(k_c, kq_t, input_precision=PREC)
-    if USE_QK_L2NORM:
-        r_kq = tl.rsqrt(ss_kq + 1e-6)
-        r_k = tl.rsqrt(ss_k + 1e-6)
-    else:
-        r_kq = tl.full([2 * BU], 1.0, dtype=tl.float32)
-        r_k = tl.full([BU], 1.0, dtype=tl.float32)
-    r_kq = tl.where(o_r % 2 == 0, r_kq, r_kq * scale)
-    ks_t, qs_t = tl.split(tl.reshape(s_kq * r_kq[None, :], [BV, BU, 2]))  # [BV, BU] each
-    kk, qk_t = tl.split(tl.reshape(k_kq * r_kq[None, :], [BU, BU, 2]))
-    kk = kk * r_k[:, None]  # k_i . k_j
-    qk_t = qk_t * r_k[:, None]  # [j, i] = k_j . q_i
-
-    g_cum = tl.cumsum(b_g, axis=0)
-    e_g = tl.exp(g_cum)
-    diff = g_cum[:, None] - g_cum[None, :]  # [a, b] = G_a - G_b
-    strict = o_t[:, None] > o_t[None, :]
-    causal = o_t[:, None] >= o_t[None, :]
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    X = tl.where(strict, -b_beta[:, None] * tl.exp(tl.where(strict, diff, 0.0)) * kk, 0.0)
-    if U >= SERIES_FROM:
-        h_inv = _inverse_unit_lower_series(X, eye, U, PREC)
-    else:
-        h_inv = _inverse_unit_lower_rows(X, eye, o_t, U)
-    rhs_t = b_beta[None, :] * (b_vt - e_g[None, :] * ks_t)  # [BV, BU]
-    b_zt = tl.dot(rhs_t, tl.trans(h_inv), input_precision=PREC)  # Z^T = rhs^T H^-T
-    # (Gamma * Q K^T)^T [j, i] = e^{G_i - G_j} k_j . q_i for j <= i
-    m_t2 = tl.where(o_t[:, None] <= o_t[None, :],
-                    qk_t * tl.exp(tl.where(o_t[:, None] <= o_t[None, :], -diff, 0.0)), 0.0)
-    b_ot = e_g[None, :] * qs_t + tl.dot(b_zt, m_t2, input_precision=PREC)
-
-    m_vt = m_v[:, None] & m_t[None, :]
-    p_o = (tok[None, :] * HV + i_hv) * V + o_v[:, None]
-    tl.store(o + p_o, b_ot.to(o.dtype.element_ty), mask=m_vt)
-    tl.store(z_out + p_o, b_zt, mask=m_vt)
-    if i_v == 0:
-        tl.store(g_out + tok * HV + i_hv, g_cum, mask=m_t)
-        if i_hv % (HV // HK) == 0:
-            for kc in tl.static_range(0, K, BK):
-                o_k = kc + tl.arange(0, BK)
-                k_c = tl.load(k + p_qk + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-                tl.store(k_out + p_qk + o_k[None, :], k_c * r_k[:, None], mask=m_t[:, None])
+        h_c = tl.load(p_h + kc + tl.arange(0, BK)[None, :], mask=(o_v < V)[:, None], other=0.0)  # [BV, BK] of S_0
+        ss_kq, ss_k, s_kq, k_kq = _chunk_products(q, k, h_c, kc, bos, length, i_h, ss_kq, ss_k, s_kq, k_kq,
+                                                  HK, K, BK, BU, PREC)
+    b_ot, b_zt, g_cum, r_k = _chunk_solve(v, g_or_a, beta_or_b, A_log, dt_bias, bos, length, i_v, i_hv,
+                                          ss_kq, ss_k, s_kq, k_kq, scale, HV, V, BV, U, BU,
+                                          USE_QK_L2NORM, FUSED_GATING, PREC, SERIES_FROM)
+    _store_round(o, z_out, k_out, g_out, k, b_ot, b_zt, g_cum, r_k, bos, bos, length, i_v, i_hv, i_h,
+                 HK, HV, K, V, BV, BK, BU)
 
 
 @triton.jit
@@ -227,58 +113,19 @@ def gdn_verify_recurrent_kernel(
     round is kept but what verification keeps anyway: ``S_0`` is read once and not written, no
     per-token state reaches memory, and ``z_i = beta_i (v_i - alpha_i S_{i-1} k_i)`` are exactly the
     compact factors the commit folds in. The steps of one program are sequential; all sequences,
-    heads and value blocks still run in parallel. Outputs and ``z`` are gathered in registers and
-    stored after the last step, so the loads of every step are free to be issued early. Rows
-    shorter than ``U`` run the missing steps with ``alpha = 1, beta = 0`` (a no-op) and mask them."""
+    heads and value blocks still run in parallel."""
     i_v, i_hv, i_h, bos, length, slot = _program_round(cu_seqlens, state_indices, HK, HV)
     if (length <= 0) | (slot <= 0):
         return
 
-    o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BU)
-    m_v = o_v < V
-    h = tl.load(state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + o_k[None, :],
-                mask=m_v[:, None], other=0.0)  # [BV, K] fp32 of S_0
-    acc_o = tl.zeros([BV, BU], dtype=tl.float32)
-    acc_z = tl.zeros([BV, BU], dtype=tl.float32)
-    acc_g = tl.zeros([BU], dtype=tl.float32)
-    g_run = 0.0
-    for t in tl.static_range(U):
-        live = t < length
-        tok = bos + t
-        b_k = tl.load(k + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
-        b_q = tl.load(q + (tok * HK + i_h) * K + o_k, mask=live, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=m_v & live, other=0.0).to(tl.float32)
-        b_g, b_beta = _gates(g_or_a, beta_or_b, A_log, dt_bias, tok * HV + i_hv, live, i_hv, FUSED_GATING)
-        if USE_QK_L2NORM:
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_q = b_q * scale
-        g_run += b_g
-        h = h * tl.exp(b_g)
-        b_z = b_beta * (b_v - tl.sum(h * b_k[None, :], axis=1))  # [BV]
-        h += b_z[:, None] * b_k[None, :]
-        b_o = tl.sum(h * b_q[None, :], axis=1)  # [BV]
-        here = o_t[None, :] == t
-        acc_o = tl.where(here, b_o[:, None], acc_o)
-        acc_z = tl.where(here, b_z[:, None], acc_z)
-        acc_g = tl.where(o_t == t, g_run, acc_g)
-
-    m_t = o_t < length
-    tok = bos + o_t
-    m_vt = m_v[:, None] & m_t[None, :]
-    p_o = (tok[None, :] * HV + i_hv) * V + o_v[:, None]
-    tl.store(o + p_o, acc_o.to(o.dtype.element_ty), mask=m_vt)
-    tl.store(z_out + p_o, acc_z, mask=m_vt)
-    if i_v == 0:
-        tl.store(g_out + tok * HV + i_hv, acc_g, mask=m_t)
-        if i_hv % (HV // HK) == 0:
-            p_k = (tok[:, None] * HK + i_h) * K + o_k[None, :]
-            k_t = tl.load(k + p_k, mask=m_t[:, None], other=0.0).to(tl.float32)
-            if USE_QK_L2NORM:
-                k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=1) + 1e-6)[:, None]
-            tl.store(k_out + p_k, k_t, mask=m_t[:, None])
+    h = tl.load(state + slot * stride_state_slot + i_hv * V * K + o_v[:, None] * K + tl.arange(0, K)[None, :],
+                mask=(o_v < V)[:, None], other=0.0)  # [BV, K] fp32 of S_0
+    acc_o, acc_z, acc_g, acc_rk = _recurrent_steps(h, q, k, v, g_or_a, beta_or_b, A_log, dt_bias, bos, length,
+                                                   i_v, i_hv, i_h, scale, HK, HV, K, V, BV, U, BU,
+                                                   USE_QK_L2NORM, FUSED_GATING)
+    _store_round(o, z_out, k_out, g_out, k, acc_o, acc_z, acc_g, acc_rk, bos, bos, length, i_v, i_hv, i_h,
+                 HK, HV, K, V, BV, K, BU)
 
 
 @dataclass
@@ -330,6 +177,40 @@ def _check_shapes(q, k, v, state, cu_seqlens, state_indices, max_len):
                          f"len(state_indices) + 1 = {state_indices.shape[0] + 1}")
 
 
+def _round_inputs(q, k, v, g, beta, A_log, dt_bias) -> tuple[tuple, bool]:
+    """The kernels' leading arguments ``(q, k, v, g_or_a, beta_or_b, A_log, dt_bias)`` and whether
+    the gates are computed in the kernel (fused gating)."""
+    fused = A_log is not None
+    if fused != (dt_bias is not None):
+        raise ValueError("A_log and dt_bias must be given together (fused gating) or not at all")
+    # without fused gating the kernels never read A_log and dt_bias; any tensor fills their places
+    return (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            A_log if fused else g, dt_bias if fused else g), fused
+
+
+def _launch_config(dtype, N, K, V, max_len, method, BV, BK, num_warps, precision, series_from
+                   ) -> tuple[str, dict]:
+    """The method ("auto" resolved) and its kernel's launch keywords, defaults filled in (the
+    arguments as :func:`gdn_verify` documents them; ``dtype`` is q's)."""
+    if method == "auto":
+        method = "recurrent" if max_len <= recurrent_up_to(N) else "chunk"
+    if method not in LAUNCH_DEFAULTS:
+        raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
+    if precision not in ("auto", "tf32", "tf32x3", "ieee"):
+        raise ValueError(f"precision must be 'auto', 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
+    if BV is None:
+        BV = RECURRENT_BV_ONE_SEQ if method == "recurrent" and N == 1 else LAUNCH_DEFAULTS[method]["BV"]
+    launch = dict(BV=min(BV, triton.next_power_of_2(V)), U=max_len,
+                  num_warps=num_warps or LAUNCH_DEFAULTS[method]["num_warps"])
+    if method == "recurrent":
+        return method, dict(launch, BU=max(2, triton.next_power_of_2(max_len)))
+    if precision == "auto":
+        precision = "tf32x3" if dtype == torch.float32 else "tf32"
+    if BK is None:
+        BK = 128 if precision == "tf32" else 64
+    return method, dict(launch, BK=min(BK, K), BU=MAX_VERIFY_LEN, PREC=precision, SERIES_FROM=series_from)
+
+
 def gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor,
@@ -376,44 +257,16 @@ def gdn_verify(
     T, HK, K = k.shape
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
-    fused = A_log is not None
-    if fused != (dt_bias is not None):
-        raise ValueError("A_log and dt_bias must be given together (fused gating) or not at all")
-    if scale is None:
-        scale = K ** -0.5
+    inputs, fused = _round_inputs(q, k, v, g, beta, A_log, dt_bias)
     if out is None:
         out = torch.empty_like(v)
     if factors is None:
         factors = VerifyFactors.empty(T, HK, HV, K, V, v.device)
-    if method == "auto":
-        method = "recurrent" if max_len <= recurrent_up_to(N) else "chunk"
-    if method not in LAUNCH_DEFAULTS:
-        raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
-    if precision not in ("auto", "tf32", "tf32x3", "ieee"):
-        raise ValueError(f"precision must be 'auto', 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
-    if BV is None:
-        BV = RECURRENT_BV_ONE_SEQ if method == "recurrent" and N == 1 else LAUNCH_DEFAULTS[method]["BV"]
-    BV = min(BV, triton.next_power_of_2(V))
-    num_warps = num_warps or LAUNCH_DEFAULTS[method]["num_warps"]
-    grid = (triton.cdiv(V, BV), N * HV)
-    dummy = g
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-            A_log if fused else dummy, dt_bias if fused else dummy,
-            state, state_indices, cu_seqlens,
-            out, factors.z, factors.k, factors.g_cum,
-            scale, state.stride(0))
-    if method == "recurrent":
-        gdn_verify_recurrent_kernel[grid](
-            *args, HK=HK, HV=HV, K=K, V=V, BV=BV, U=max_len, BU=max(2, triton.next_power_of_2(max_len)),
-            USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, num_warps=num_warps)
-        return out, factors
-    if precision == "auto":
-        precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
-    if BK is None:
-        BK = 128 if precision == "tf32" else 64
-    gdn_verify_kernel[grid](
-        *args, HK=HK, HV=HV, K=K, V=V, BV=BV, BK=min(BK, K), U=max_len, BU=MAX_VERIFY_LEN,
-        USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, PREC=precision, SERIES_FROM=series_from,
-        num_warps=num_warps,
-    )
+    method, launch = _launch_config(q.dtype, N, K, V, max_len, method, BV, BK, num_warps, precision,
+                                    series_from)
+    kernel = gdn_verify_recurrent_kernel if method == "recurrent" else gdn_verify_kernel
+    kernel[(triton.cdiv(V, launch["BV"]), N * HV)](
+        *inputs, state, state_indices, cu_seqlens, out, factors.z, factors.k, factors.g_cum,
+        K ** -0.5 if scale is None else scale, state.stride(0),
+        HK=HK, HV=HV, K=K, V=V, USE_QK_L2NORM=use_qk_l2norm, FUSED_GATING=fused, **launch)
     return out, factors
