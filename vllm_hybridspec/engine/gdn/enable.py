@@ -72,7 +72,7 @@ def _on_cuda() -> bool:
 
 
 def needs_torch_prefill(model_dtype: torch.dtype, on_cuda: bool) -> bool:
-    """Whether a GDN layer prefills through ``cpu_gdn.TorchChunkGatedDeltaRule``: float32 targets
+    """Whether a GDN layer prefills through ``engine.cpu.ops.TorchChunkGatedDeltaRule``: float32 targets
     on a CUDA device, where vLLM 0.26's FLA chunk kernel asserts on float32 inputs (on the CPU the
     plugin's patched CPU ops already run float32)."""
     return on_cuda and model_dtype == torch.float32
@@ -84,19 +84,18 @@ def _unmet_requirement(vllm_config) -> str | None:
     if current_platform.is_cuda():
         mode = vllm_config.compilation_config.cudagraph_mode
         if not vllm_config.model_config.enforce_eager and mode is not None and mode.mixed_mode().name == "FULL":
-            # Full graphs are fine for plain decode steps only (graphs.patch_plain_decode_full_graphs
-            # makes them the only uniform batches). Spec steps must run outside full graphs: piecewise
-            # (vLLM's splitting op vllm::qwen_gdn_attention_core, which dispatches to _forward_core,
-            # stays outside the graphs, where the verify's host reads are fine) or eagerly.
-            return (f"cudagraph_mode={mode.name} runs mixed batches in full CUDA graphs, and the one-slot verify "
-                    "reads its batch layout on the host; use FULL_AND_PIECEWISE (vLLM's default), "
-                    "FULL_DECODE_ONLY, PIECEWISE or --enforce-eager")
+            # uniform batches (every row w tokens) are capture-safe; a mixed batch's layout (which rows
+            # are rounds, one-token rounds or prefills) is the step's host plan, fixed into a graph
+            return (f"cudagraph_mode={mode.name} runs mixed prefill/decode batches in full CUDA graphs, and the "
+                    "one-slot layer lays out a mixed batch from the step's host plan; use FULL_AND_PIECEWISE "
+                    "(vLLM's default), FULL_DECODE_ONLY, PIECEWISE or --enforce-eager")
     elif not current_platform.is_cpu():
         return f"platform {current_platform.device_name!r} is not supported (CPU and CUDA are)"
     pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
     if pp > 1:
-        # the commit runs after sampling, which only the last pipeline stage does
-        return f"pipeline_parallel_size={pp}: the one-slot commit runs after sampling, on the last stage only"
+        # a round's committed count comes from sampling, which only the last pipeline stage does
+        return (f"pipeline_parallel_size={pp}: the one-slot commit takes its counts from sampling, on the last "
+                "stage only")
     k = vllm_config.speculative_config.num_speculative_tokens
     if k + 1 > MAX_VERIFY_LEN:
         return f"num_speculative_tokens={k} but the GDN verify kernel takes at most {MAX_VERIFY_LEN - 1} drafts"

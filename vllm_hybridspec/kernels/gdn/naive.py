@@ -203,18 +203,38 @@ def commit_verify(
     dtype = torch.float64 if state.dtype == torch.float64 else torch.float32
     state = state.to(dtype).clone()
     slabs = CompactFactors(*(t.to(dtype).clone() for t in (slabs.z, slabs.k, slabs.g_cum)))
+    o = commit_verify_(q, k, v, g, beta, state, state_indices, cu_seqlens, slabs, slab_len, pending_entry,
+                       pending_m, target_entry, scale, use_qk_l2norm)
+    return o, state, slabs
+
+
+def commit_verify_(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, cu_seqlens: torch.Tensor,
+    slabs: CompactFactors, slab_len: int,
+    pending_entry: torch.Tensor, pending_m: torch.Tensor, target_entry: torch.Tensor,
+    scale: float | None = None, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """:func:`commit_verify` in place: ``state`` (any strides, e.g. vLLM's CPU view of its pool) and
+    ``slabs`` are updated, and ``o`` ``[T, HV, V]`` in the state's precision is returned. The one-slot
+    GDN layer's CPU path."""
+    dtype = state.dtype
     o = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for i in range(state_indices.shape[0]):
-        slot, bos, eos = int(state_indices[i]), int(cu_seqlens[i]), int(cu_seqlens[i + 1])
+    cu, slots = cu_seqlens.tolist(), state_indices.tolist()
+    entries, ms, targets = pending_entry.tolist(), pending_m.tolist(), target_entry.tolist()
+    for i in range(len(slots)):
+        slot, bos, eos = slots[i], cu[i], cu[i + 1]
         if slot <= 0 or eos <= bos:
             continue
-        entry, m = int(pending_entry[i]), int(pending_m[i])
+        entry, m = entries[i], ms[i]
+        S = state[slot].to(slabs.z.dtype)
         if entry >= 0 and m > 0:
             rows = slice(entry * slab_len, (entry + 1) * slab_len)
-            pending = CompactFactors(slabs.z[rows], slabs.k[rows], slabs.g_cum[rows])
-            state[slot] = reconstruct_state(state[slot], pending, m)
-        o[bos:eos], factors = chunk_verify(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos],
-                                           beta[bos:eos], state[slot], scale, use_qk_l2norm)
-        rows = slice(int(target_entry[i]) * slab_len, int(target_entry[i]) * slab_len + eos - bos)
+            S = reconstruct_state(S, CompactFactors(slabs.z[rows], slabs.k[rows], slabs.g_cum[rows]), m)
+            state[slot] = S.to(dtype)
+        out, factors = chunk_verify(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], S, scale,
+                                    use_qk_l2norm)
+        o[bos:eos] = out.to(dtype)
+        rows = slice(targets[i] * slab_len, targets[i] * slab_len + eos - bos)
         slabs.z[rows], slabs.k[rows], slabs.g_cum[rows] = factors.z, factors.k, factors.g_cum
-    return o, state, slabs
+    return o

@@ -1,0 +1,117 @@
+"""The model-runner patches of the one-slot GDN layer: the step's plan before every served forward,
+a clean plan before vLLM's dummy runs and graph captures, and the committed counts after sampling.
+
+vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by the CPU runner):
+
+* ``GPUModelRunner._prepare_inputs``: after it, the persistent batch's row order, the draft counts
+  the GDN builder will classify rows by (``self.num_decode_draft_tokens``, written by
+  ``_prepare_inputs`` whenever the step has drafts) and the block tables are final, and the model has
+  not run yet. The plan (``PendingRounds.plan``) is computed there on the host and copied to the
+  device inside vLLM's ``synchronize_input_prep`` (which guards the reuse of pinned host buffers).
+* ``GPUModelRunner._dummy_run``: before it, the plan is reset to the scratch slab, so a profiling
+  run, a warm-up or a CUDA-graph capture never touches a request's pending round.
+* ``GPUModelRunner._update_states_after_model_execute`` (through ``compat.patch_runner_after_sampling``):
+  each verified row's ``m`` is written on the device for the next round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
+from vllm_hybridspec.engine.gdn.commit import flush_rounds
+from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
+
+
+def one_slot_layers_by_group(runner) -> dict[int, list]:
+    """KV-cache group index -> the group's one-slot GDN layers, in model order
+    (``runner.kv_cache_config.kv_cache_groups[g].layer_names``; the block table of group ``g`` is
+    ``runner.input_batch.block_table[g]``)."""
+    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
+
+    context = runner.compilation_config.static_forward_context
+    groups = {}
+    for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        layers = [context[name] for name in group.layer_names
+                  if isinstance(context.get(name), HSpecQwenGDN) and context[name].one_slot]
+        if layers:
+            groups[g] = layers
+    return groups
+
+
+def ensure_rounds(runner) -> PendingRounds | None:
+    """The runner's :class:`PendingRounds`, created at its first use; ``None`` without one-slot layers
+    (or before the KV cache exists, when there is nothing to plan)."""
+    rounds = rounds_of(runner)
+    if rounds is not None:
+        return rounds
+    if not hasattr(runner, "kv_cache_config"):
+        return None
+    groups = one_slot_layers_by_group(runner)
+    if not groups:
+        return None
+    first = next(iter(groups.values()))[0]
+    rounds = PendingRounds(runner.scheduler_config.max_num_seqs, runner.max_num_reqs, first.slab_len, runner.device)
+    rounds.groups = groups
+    attach(runner, rounds)
+    return rounds
+
+
+def plan_step(runner, scheduler_output) -> None:
+    """The plan of a served step (see the module docstring)."""
+    rounds = ensure_rounds(runner)
+    if rounds is None:
+        return
+    batch = runner.input_batch
+    n = batch.num_reqs
+    req_ids = list(batch.req_ids[:n])
+    if scheduler_output.scheduled_spec_decode_tokens:
+        draft_counts = runner.num_decode_draft_tokens.np[:n].copy()
+    else:  # no spec metadata this step: the GDN builder takes vLLM's own paths for every row
+        draft_counts = np.full(n, -1, dtype=np.int32)
+    num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+    num_computed = batch.num_computed_tokens_cpu[:n].copy()
+    slots = {g: batch.block_table[g].get_numpy_array()[:n, 0].copy() for g in rounds.groups}
+    cached = scheduler_output.scheduled_cached_reqs
+    dropped = set(getattr(cached, "resumed_req_ids", set()) or ()) | set(scheduler_output.preempted_req_ids or ())
+
+    def flush(entries, slots_by_group, slabs):
+        for g, layers in rounds.groups.items():
+            flush_rounds(layers, entries, slots_by_group[g], slabs, rounds.m_of_slab)
+
+    rounds.plan(req_ids, draft_counts, num_scheduled, num_computed, slots, set(scheduler_output.finished_req_ids),
+                dropped, flush)
+
+
+def _planned_prepare_inputs(original):
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        plan_step(self, scheduler_output)
+        return result
+
+    return _prepare_inputs
+
+
+def _clean_dummy_run(original):
+    def _dummy_run(self, *args, **kwargs):
+        rounds = ensure_rounds(self)
+        if rounds is not None:
+            rounds.reset_step()
+        return original(self, *args, **kwargs)
+
+    return _dummy_run
+
+
+def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) -> None:
+    """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``)."""
+    rounds = rounds_of(runner)
+    if rounds is not None:
+        rounds.sampled(output_token_ids)
+
+
+def patch_runner_pending_rounds() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wrap_once(GPUModelRunner, "_prepare_inputs", _planned_prepare_inputs)
+    wrap_once(GPUModelRunner, "_dummy_run", _clean_dummy_run)
+    patch_runner_after_sampling(committed_counts_after_sampling)
