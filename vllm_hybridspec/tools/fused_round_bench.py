@@ -16,9 +16,10 @@ steady state where every round commits m = w tokens:
 Both methods of each path are timed ("chunk", "recurrent"); the fused and unfused columns are the
 method ``method="auto"`` picks at that (w, B). Each variant is one captured round, timed as the median
 of ``samples`` samples of ``replays`` graph replays. Before timing, both paths run three rounds
-(committing w, ceil(w / 2), then w by a final ``gdn_commit`` flush of the slabs) for fp32 and bf16
-inputs and are checked against the float64 token-by-token recurrence (HybridSpec paper, Eq. 1) over
-exactly the committed tokens; a failed check stops the run. Nothing from vLLM is imported.
+(committing w, ceil(w / 2), then w by a final ``gdn_commit`` flush of the slabs) of two layers at
+the same head shape, for every (B, w), method and fp32 and bf16 inputs, and are checked against the
+float64 token-by-token recurrence (HybridSpec paper, Eq. 1) over exactly the committed tokens; a
+failed check stops the run. Nothing from vLLM is imported.
 
     python -m vllm_hybridspec.tools.fused_round_bench --json fused_round.json
 
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import statistics
@@ -38,7 +41,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 from vllm_hybridspec.kernels.gdn import (
     MAX_VERIFY_LEN,
@@ -66,7 +68,8 @@ class Shape:
     V: int
 
 
-SHAPES = {"35b": Shape(layers=30, HK=16, HV=32, K=128, V=128), "tiny": Shape(layers=2, HK=2, HV=4, K=32, V=32)}
+SHAPES = {"35b": Shape(layers=30, HK=16, HV=32, K=128, V=128),
+          "tiny": Shape(layers=2, HK=2, HV=4, K=32, V=32)}
 
 
 class Round:
@@ -169,7 +172,8 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def check_accuracy(shape: Shape, B: int, w: int, method: str, dtype: torch.dtype, device, seed: int = 0) -> dict:
+def check_accuracy(shape: Shape, B: int, w: int, method: str, dtype: torch.dtype, device,
+                   seed: int = 0) -> dict:
     """Largest relative errors of both paths (outputs of every round, final states) against the
     float64 recurrence over three rounds that commit w, ceil(w / 2) and w tokens."""
     fused, unfused = Fused(shape, B, method, device, seed), Unfused(shape, B, method, device, seed)
@@ -214,7 +218,7 @@ def graph_ms(fn, samples: int, replays: int) -> float:
             graph.replay()
         marks[i + 1].record()
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) / replays for a, b in zip(marks, marks[1:]))
+    return statistics.median(a.elapsed_time(b) / replays for a, b in itertools.pairwise(marks))
 
 
 def copy_bandwidth(samples: int, replays: int) -> float:
@@ -263,11 +267,9 @@ def time_rounds(shape: Shape, B: int, w: int, samples: int, replays: int, bandwi
         fused = Fused(shape, B, method, "cuda", seed=7)
         fused.round(r, out)  # the first round has nothing pending and fills one half of the slabs
         fused.accept(m)
-        row[f"fused_{method}"] = graph_ms(lambda: fused.round(r, out), samples, replays)
-        del fused
+        row[f"fused_{method}"] = graph_ms(functools.partial(fused.round, r, out), samples, replays)
         unfused = Unfused(shape, B, method, "cuda", seed=7)
-        row[f"unfused_{method}"] = graph_ms(lambda: unfused.round(r, out, m), samples, replays)
-        del unfused
+        row[f"unfused_{method}"] = graph_ms(functools.partial(unfused.round, r, out, m), samples, replays)
     row["method"] = "recurrent" if w <= recurrent_up_to(B) else "chunk"
     row["fused"], row["unfused"] = row[f"fused_{row['method']}"], row[f"unfused_{row['method']}"]
     row["bandwidth_floor"] = fused_round_bytes(shape, B, w, w) / bandwidth * 1e3
@@ -292,14 +294,14 @@ def run(shape: Shape, batches, lengths, samples: int = 30, replays: int = 10, de
     CUDA or after a failed check); ms throughout."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     accuracy, failed = {}, []
+    check_shape = dataclasses.replace(shape, layers=min(2, shape.layers))  # every layer runs the same kernels
     for B in batches:
         for w in lengths:
             for method in METHODS:
-                for dtype in TOL:
+                for dtype, tol in TOL.items():
                     key = f"B{B}_w{w}_{method}_{str(dtype).split('.')[-1]}"
-                    accuracy[key] = errs = check_accuracy(dataclasses.replace(shape, layers=min(2, shape.layers)),
-                                                          B, w, method, dtype, device)
-                    ok = max(errs.values()) <= TOL[dtype]
+                    accuracy[key] = errs = check_accuracy(check_shape, B, w, method, dtype, device)
+                    ok = max(errs.values()) <= tol
                     print(f"accuracy {key}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
                           + ("" if ok else " FAILED"), flush=True)
                     if not ok:

@@ -153,6 +153,7 @@ def gdn_commit_verify_recurrent_kernel(
     _store_round(o, slab_z, slab_k, slab_g, k, acc_o, acc_z, acc_g, acc_rk, bos, frow, length, i_v, i_hv,
                  i_h, HK, HV, K, V, BV, K, BU)
 
+
 def _check_slabs(slabs: VerifyFactors, slab_len, max_len, HK, HV, K, V, N, entries):
     if not 1 <= slab_len <= MAX_VERIFY_LEN:
         raise ValueError(f"slab_len must be in 1..{MAX_VERIFY_LEN}, got {slab_len}")
@@ -172,7 +173,8 @@ def _check_slabs(slabs: VerifyFactors, slab_len, max_len, HK, HV, K, V, N, entri
                              f"{'' if t.is_contiguous() else ' (not contiguous)'}")
     for name, t in entries.items():
         if t.shape != (N,) or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an int32 tensor of shape [N={N}] like state_indices; "
+            raise ValueError(f"{name} must be an int32 (or int64) tensor of shape [N={N}], one entry "
+                             f"per sequence like state_indices; "
                              f"got {t.dtype} of shape {list(t.shape)}")
 
 
@@ -229,7 +231,7 @@ def gdn_commit_verify(
         ``out``: ``[T, HV, V]`` in ``v.dtype``; rows of skipped sequences are left untouched.
     """
     _check_shapes(q, k, v, state, cu_seqlens, state_indices, max_len)
-    T, HK, K = k.shape
+    _, HK, K = k.shape
     HV, V = v.shape[1:]
     N = state_indices.shape[0]
     _check_slabs(slabs, slab_len, max_len, HK, HV, K, V, N, dict(

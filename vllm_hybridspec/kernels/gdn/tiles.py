@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _inverse_unit_lower_series(X, I, U: tl.constexpr, PREC: tl.constexpr):
     """``(I - X)^{-1}`` for strictly lower-triangular ``X`` of size ``BU``, nonzero in ``U`` rows."""

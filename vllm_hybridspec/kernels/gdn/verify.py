@@ -86,7 +86,8 @@ def gdn_verify_kernel(
     s_kq = tl.zeros([BV, 2 * BU], dtype=tl.float32)
     k_kq = tl.zeros([BU, 2 * BU], dtype=tl.float32)
     for kc in tl.static_range(0, K, BK):
-        h_c = tl.load(p_h + kc + tl.arange(0, BK)[None, :], mask=(o_v < V)[:, None], other=0.0)  # [BV, BK] of S_0
+        # [BV, BK] of S_0
+        h_c = tl.load(p_h + kc + tl.arange(0, BK)[None, :], mask=(o_v < V)[:, None], other=0.0)
         ss_kq, ss_k, s_kq, k_kq = _chunk_products(q, k, h_c, kc, bos, length, i_h, ss_kq, ss_k, s_kq, k_kq,
                                                   HK, K, BK, BU, PREC)
     b_ot, b_zt, g_cum, r_k = _chunk_solve(v, g_or_a, beta_or_b, A_log, dt_bias, bos, length, i_v, i_hv,
