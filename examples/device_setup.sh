@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU machine (see ../shared/device/README.md): make this checkout importable as
-# vllm_hybridspec without building it (kernels/, drafter/, train/ map to vllm_hybridspec.* as in
-# pyproject.toml).  The links are made in the device's copy of the tree only.
+# On the GPU machine (see ../shared/device/README.md and docs/device.md): make this checkout importable
+# as vllm_hybridspec without building it, and let vLLM find the plugin's entry point.
 # Usage: `source examples/device_setup.sh` after the vLLM bundle is installed in /tmp/site.
-:
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 # vLLM loads general plugins through entry points; without a pip install there is no dist-info, so
 # write a minimal one next to the bundle (PYTHONPATH directories are searched for metadata too).
 mkdir -p /tmp/site/vllm_hybridspec-0.0.0.dist-info
 printf 'Metadata-Version: 2.1\nName: vllm-hybridspec\nVersion: 0.0.0\n' > /tmp/site/vllm_hybridspec-0.0.0.dist-info/METADATA
-printf '[vllm.general_plugins]\nhspec = vllm_hybridspec.plugin:register\n\n[console_scripts]\nhybridspec = vllm_hybridspec.cli:app\n' \
+printf '[vllm.general_plugins]\nhspec = vllm_hybridspec.engine.plugin:register\n\n[console_scripts]\nhybridspec = vllm_hybridspec.cli:app\n' \
   > /tmp/site/vllm_hybridspec-0.0.0.dist-info/entry_points.txt
 hybridspec() { python3 -m vllm_hybridspec.cli "$@"; }

@@ -7,7 +7,9 @@ import typer
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
+from vllm_hybridspec.tools.full_shape import full_shape
 from vllm_hybridspec.tools.replay_record import replay_record
+from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_command
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
 
@@ -47,6 +49,9 @@ def demo(
 
 
 app.add_typer(calibrate_app, name="calibrate")
+app.command("spec-steps")(spec_steps)
+app.command("spec-steps-table")(spec_steps_table_command)
+app.command("full-shape")(full_shape)
 app.command("simulate")(simulate_command)
 app.command("train")(train)
 app.command("models")(models)

@@ -1,26 +1,25 @@
-"""Config-only checkpoints at the Qwen3.6-35B-A3B shape, for measurements with dummy weights
-(``load_format="dummy"``: vLLM initialises random weights from ``config.json``; nothing is downloaded).
+"""``hybridspec full-shape``: config-only checkpoints at the Qwen3.6-35B-A3B shape, for measurements
+with dummy weights (``load_format="dummy"``: vLLM initialises random weights from ``config.json``;
+nothing is downloaded).
 
 Writes ``<out>/target`` (a ``Qwen3NextForCausalLM`` with the 35B-A3B hybrid shape: 40 layers, 30 GDN
-+ 10 full attention, 256 experts top-8), ``<out>/hspec`` (an H-Spec drafter config for it: 4 layers,
-K/V read in place from the target's last full-attention layers) and ``<out>/dflash`` (speculators'
-DFlash drafter config, 5 layers). Dummy weights give random acceptance; realistic acceptance at this
-shape comes from the replay proposer (docs/bench.md).
++ 10 full attention, 256 experts top-8; ``--layers`` keeps the widths, heads and experts with fewer
+layers, a slice that starts in a fraction of the time and has the same per-layer costs),
+``<out>/hspec`` (an H-Spec drafter config for it: 4 layers, blocks of ``--block-size`` tokens, K/V read
+in place from the target's last full-attention layers) and ``<out>/dflash`` (speculators' DFlash
+drafter config, 5 layers). Dummy weights give random acceptance; realistic acceptance at this shape
+comes from the replay proposer (docs/bench.md).
 
-    python examples/full_shape_models.py --out out/full-shape
-    python examples/vllm_compare.py --target out/full-shape/target --load-format dummy --random-prompts \\
-        --vocab 200000 --config plain=none \\
-        --config hspec='{"method": "hspec", "model": "out/full-shape/hspec", "num_speculative_tokens": 7}' \\
-        --additional-config '{"gdn_prefill_backend": "triton"}' --gpu-mem 0.9 --out compare-35b.json
+    hybridspec full-shape --out out/full-shape [--layers 8] [--block-size 16]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+import typer
 
 # Qwen3.5/3.6-35B-A3B (text part) as a Qwen3-Next config: vLLM runs both through the same GDN layer.
 QWEN36_35B_A3B = dict(
@@ -46,7 +45,7 @@ def write_target(out: Path, overrides: dict | None = None) -> Path:
     return out
 
 
-def write_hspec(target: Path, out: Path, num_layers: int = 4) -> Path:
+def write_hspec(target: Path, out: Path, num_layers: int = 4, block_size: int = 16) -> Path:
     """The drafter is built on the meta device (no memory) and only its config is saved."""
     from transformers import AutoConfig
 
@@ -57,7 +56,7 @@ def write_hspec(target: Path, out: Path, num_layers: int = 4) -> Path:
     with torch.device("meta"):
         model = HSpecDraftModel.from_training_args(
             config, None, None, verifier_name_or_path=None, target_layer_ids=selected,
-            kv_reuse_layer_ids=kv, mask_token_id=MASK_TOKEN_ID, num_layers=num_layers)
+            kv_reuse_layer_ids=kv, mask_token_id=MASK_TOKEN_ID, num_layers=num_layers, block_size=block_size)
     # no verifier weights exist to load (dummy weights); record which target it drafts for
     model.config.speculators_config.verifier.name_or_path = str(target)
     model.config.save_pretrained(out)
@@ -87,17 +86,18 @@ def write_dflash(target: Path, out: Path, num_layers: int = 5) -> Path:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("out/full-shape"))
-    ap.add_argument("--hspec-layers", type=int, default=4)
-    ap.add_argument("--dflash-layers", type=int, default=5)
-    args = ap.parse_args()
-    target = write_target(args.out / "target")
-    write_hspec(target, args.out / "hspec", args.hspec_layers)
-    write_dflash(target, args.out / "dflash", args.dflash_layers)
-    print(f"wrote {target}, {args.out / 'hspec'}, {args.out / 'dflash'}")
-
-
-if __name__ == "__main__":
-    main()
+def full_shape(
+    out: Path = typer.Option(Path("out/full-shape"), help="folder for target/, hspec/ and dflash/"),
+    layers: int = typer.Option(40, min=4, help="decoder layers (a multiple of 4: every 4th is full attention)"),
+    block_size: int = typer.Option(16, min=2, max=16, help="H-Spec draft block: the anchor and block_size - 1 "
+                                   "drafts (num_speculative_tokens <= block_size - 1)"),
+    hspec_layers: int = typer.Option(4, min=1),
+    dflash_layers: int = typer.Option(5, min=1),
+) -> None:
+    """Write config-only target, H-Spec and DFlash checkpoints at the Qwen3.6-35B-A3B shape."""
+    if layers % 4:
+        raise typer.BadParameter(f"--layers {layers} is not a multiple of 4 (full_attention_interval = 4)")
+    target = write_target(out / "target", {"num_hidden_layers": layers})
+    write_hspec(target, out / "hspec", hspec_layers, block_size)
+    write_dflash(target, out / "dflash", dflash_layers)
+    typer.echo(f"wrote {target}, {out / 'hspec'}, {out / 'dflash'} ({layers} layers)")

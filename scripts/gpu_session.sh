@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of the one-slot GDN layer's spec steps (docs/device.md), one stage per
+# call of at most 10 minutes, on the GPU machine after the vLLM bundle (../shared/device/README.md):
+#
+#   bash scripts/gpu_session.sh kernels  # gdn_commit_verify and the unfused path: float64 checks on the GPU,
+#                                        # then 30 layers at the 35B shape as one CUDA graph against the
+#                                        # bandwidth and launch floors (no vLLM needed)
+#   bash scripts/gpu_session.sh extras   # speculators & co. next to the bundle (.devextras/e00 carried)
+#   bash scripts/gpu_session.sh smoke    # tiny random Qwen3-Next, vLLM's default graphs: greedy identity of
+#                                        # ngram + one-slot GDN against plain decoding (float32), and the
+#                                        # graph mode of each verification length
+#   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
+#                                        # w = 1..16, B = 1, 4 (ours, K = 15), vLLM's GDN path (K = 15, all),
+#                                        # plain decoding
+#   bash scripts/gpu_session.sh ref32    # reference hybrid and dense, float32, default graphs: greedy identity
+#                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
+#   bash scripts/gpu_session.sh refbs1   # reference hybrid, bf16, default graphs, batch 1: H-Spec one-slot
+#                                        # against H-Spec on vLLM's GDN path (step times at w = 8)
+#   bash scripts/gpu_session.sh full35   # the 40-layer 35B shape: ours at w = 1..16, plain, vLLM K = 15
+#
+# Each stage writes $OUT/<stage>.tar (JSON results, logs) and stops its engines before DEADLINE seconds.
+set -uo pipefail
+STAGE="$1"
+DEADLINE="${DEADLINE:-570}"
+T0=$SECONDS
+source examples/device_setup.sh
+R="/tmp/hs-results/$STAGE"; mkdir -p "$R"
+left() { echo $(( DEADLINE - (SECONDS - T0) - 10 )); }
+run() {  # run NAME CMD...: with the time left, output to $R/NAME.log, the interesting lines on stdout
+  local name="$1"; shift
+  local t; t=$(left)
+  if [ "$t" -lt 30 ]; then echo "[$name] skipped: ${t}s left"; return; fi
+  echo "[$name] start ($t s left)"
+  timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "[$name] exit $? after $((SECONDS - T0)) s"
+  grep -E "^(B=|engine started|config|plain|ngram|hspec|wrote|PASS|FAIL)|identical|ms/step|rror|Traceback|  w=|floor" \
+    "$R/$name.log" | grep -v "^INFO\|^DEBUG" | tail -30
+}
+pack() { tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"; }
+trap pack EXIT
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+
+case "$STAGE" in
+kernels)
+  run fused python3 -m vllm_hybridspec.tools.fused_round_bench --json "$R/fused_round.json"
+  ;;
+extras)
+  mkdir -p /tmp/devextras && cp .devextras/e* /tmp/devextras/ && (cd /tmp/devextras && cat e0* | tar x && bash install_extras.sh)
+  python3 -c "import vllm, vllm_hybridspec.engine.plugin, vllm_hybridspec.engine.drafting.model, vllm_hybridspec.kernels.gdn; print('plugin ok, vllm', vllm.__version__)" 2>&1 | tail -3
+  ;;
+smoke)
+  python3 - <<'PY' > "$R/tiny.log" 2>&1
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from vllm_hybridspec.train.tiny_target import TINY_QWEN3_NEXT
+config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": 12, "pad_token_id": 0})
+config.architectures = ["Qwen3NextForCausalLM"]
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained("/tmp/tiny-hybrid")
+print("tiny hybrid written")
+PY
+  NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
+  run identity python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
+    --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
+    --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+    --config plain=none --config ngram_one_slot="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/identity.json"
+  run modes python3 -m vllm_hybridspec.cli spec-steps --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
+    --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,3,5 --batch-sizes 1,3 \
+    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/modes.json"
+  ;;
+slice|full35)
+  LAYERS=12; [ "$STAGE" = full35 ] && LAYERS=40
+  FS=/tmp/full-shape-$LAYERS
+  [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers $LAYERS --block-size 16 > "$R/shape.log" 2>&1
+  S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
+     --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$ENG" --batch-sizes 1,4 --steps 48 --warmup 8)
+  H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
+  run ours python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
+    --out "$R/ours.json"
+  run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
+  run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm15.json"
+  run vllm7 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 8 \
+    --speculative-config "{\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 7, \"hybridspec\": {\"gdn_kernel\": false}}" \
+    --out "$R/vllm7.json"
+  ;;
+ref32)
+  for kind in hybrid dense; do
+    HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
+    run "identity-$kind" python3 examples/vllm_compare.py --target models/$kind --prompts models/prompts/heldout.jsonl \
+      --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
+      --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+      --config plain=none --config hspec_all="{$HH, \"hybridspec\": {\"fixed_length\": 8}}" \
+      --config hspec_sel="{$HH, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
+      --out "$R/identity-$kind.json"
+  done
+  ;;
+refbs1)
+  HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
+  S=(--model models/hybrid --prompts models/prompts/heldout.jsonl --num-prompts 16 --dtype bfloat16 --gpu-mem 0.2
+     --max-num-seqs 4 --engine-args "$ENG" --batch-sizes 1 --steps 64 --warmup 8 --lengths 1,8)
+  run one_slot python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" \
+    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/one_slot.json"
+  run vllm_gdn python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" \
+    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm_gdn.json"
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac

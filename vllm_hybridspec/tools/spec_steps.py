@@ -1,0 +1,183 @@
+"""``hybridspec spec-steps``: the time of one decode step at each verification length and batch size,
+with the CUDA-graph mode each step ran in, from one engine start.
+
+The engine is started in this process with the target, the drafter of ``--speculative-config`` (or
+none: plain decoding) and ``"hybridspec": {"fixed_length": K + 1}``; for every batch size ``B`` and
+length ``w`` the proposer's selector verifies exactly ``w`` tokens per request (``w = 1``: drafting
+turned off, what the batch gate runs), ``B`` greedy requests decode, and after the warm-up the wall
+time of ``--steps`` calls of ``LLMEngine.step`` is divided by their number. Under async scheduling
+(the default of the engine: on for "hspec", "dflash" and plain decoding) a step's time is the
+pipelined time per step, which is what serving sees. The graph modes come from the runner's count of
+the modes its steps were dispatched to (``engine/length/graphs.py``).
+
+One JSON per engine; ``hybridspec spec-steps-table`` merges ours, vLLM's own GDN path and plain
+decoding into the table of ``docs/benchmarks/spec_steps.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, int_list, json_object
+from vllm_hybridspec.tools.engine_args import prompt_options
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the runner is reachable
+
+
+def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, tag: str, runner=None) -> dict:
+    """``batch`` greedy requests; ``warmup`` steps (prefill included), then the mean wall time of
+    ``steps`` steps, the output tokens they produced and (with ``runner``) the graph modes they were
+    dispatched to; the requests are aborted afterwards."""
+    from vllm_hybridspec.engine.length.graphs import graph_mode_counts
+
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine still has requests from an earlier measurement")
+    spec = engine.vllm_config.speculative_config
+    k = spec.num_speculative_tokens if spec else 0
+    params = SamplingParams(temperature=0, max_tokens=(warmup + steps + 4) * (k + 1), ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, prompts[i % len(prompts)], params)
+    produced = dict.fromkeys(ids, 0)
+
+    def step() -> int:
+        new = 0
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            new += n - produced[out.request_id]
+            produced[out.request_id] = n
+            if out.finished:
+                raise RuntimeError(f"request {out.request_id} finished during the measurement")
+        return new
+
+    for _ in range(warmup):
+        step()
+    before = graph_mode_counts(runner) if runner is not None else {}
+    t0, tokens = time.perf_counter(), 0
+    for _ in range(steps):
+        tokens += step()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    after = graph_mode_counts(runner) if runner is not None else {}
+    modes = {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"B": batch, "ms": round(ms, 4), "tokens_per_step": round(tokens / steps, 3),
+            "tokens_per_s": round(tokens / (ms * steps / 1e3), 2), "graph_modes": modes}
+
+
+def measure(engine: EngineOptions, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
+            prompts: list[dict], steps: int, warmup: int, progress=print) -> dict:
+    """Every (B, w) on one engine; ``speculative_config`` None: plain decoding (``lengths`` ignored)."""
+    from vllm import LLM
+
+    from vllm_hybridspec.engine.compat import in_process_runner, kv_capacity_tokens
+    from vllm_hybridspec.engine.length.trimming import selector_of
+
+    spec = None
+    if speculative_config is not None:
+        k = int(speculative_config["num_speculative_tokens"])
+        bad = [w for w in lengths if not 1 <= w <= k + 1]
+        if bad:
+            raise typer.BadParameter(f"--lengths {bad} outside 1..num_speculative_tokens + 1 = {k + 1}")
+        options = dict(speculative_config.get("hybridspec") or {})
+        spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
+    t0 = time.perf_counter()
+    llm = LLM(**engine.llm_kwargs(speculative_config=spec, max_num_seqs=max(max(batch_sizes), engine.max_num_seqs or 1)))
+    result = {"model": engine.model, "speculative_config": spec, "engine": engine.llm_kwargs(),
+              "engine_start_s": round(time.perf_counter() - t0, 1), "kv_capacity_tokens": kv_capacity_tokens(llm),
+              "rows": []}
+    progress(f"engine started in {result['engine_start_s']} s, KV capacity {result['kv_capacity_tokens']} tokens")
+    runner = in_process_runner(llm)
+    selector = selector_of(runner) if spec is not None else None
+    if spec is not None and selector is None:
+        raise RuntimeError("the engine's drafter has no hybridspec length selector")
+    for b in batch_sizes:
+        for w in (lengths if spec is not None else [None]):
+            if selector is not None:
+                if w == 1:
+                    selector.configure(drafting=False)
+                else:
+                    selector.configure(fixed_length=w)
+            row = {"w": w, **time_steps(llm, prompts, b, steps, warmup, f"b{b}-w{w}", runner)}
+            result["rows"].append(row)
+            progress(f"B={b} w={w}: {row['ms']:.3f} ms/step, {row['tokens_per_step']:.2f} tokens/step, "
+                     f"modes {row['graph_modes']}")
+    if selector is not None:
+        selector.configure()
+    return result
+
+
+def spec_steps(
+    engine: EngineOptions,
+    prompts: PromptOptions,
+    speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON; omit for plain "
+                                           "decoding"),
+    lengths: str = typer.Option("1,2,4,8,16", help="verification lengths w (w = 1: drafting off)"),
+    batch_sizes: str = typer.Option("1,4", help="requests decoding together"),
+    steps: int = typer.Option(48, min=4, help="timed steps per (B, w)"),
+    warmup: int = typer.Option(8, min=2, help="untimed steps first (prefill, compilation)"),
+    out: Path = typer.Option(..., help="result JSON"),
+) -> None:
+    """Per-step decode time and CUDA-graph mode at each verification length and batch size, one engine."""
+    spec = json_object(speculative_config, "speculative-config") if speculative_config else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = measure(engine, spec, int_list(lengths, "lengths"), int_list(batch_sizes, "batch-sizes"),
+                     prompts.load(engine.model), steps, warmup, progress=lambda line: typer.echo(line))
+    out.write_text(json.dumps(result, indent=1))
+    typer.echo(f"wrote {out}")
+
+
+spec_steps = prompt_options(engine_options(spec_steps))
+
+
+def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str) -> dict:
+    """``docs/benchmarks/spec_steps.json``: one row per (B, w) of ``ours``, with vLLM's full-graph step
+    at the same length where one of ``vllm_runs`` (engines verifying all ``K + 1``) has it."""
+    plain_ms = {str(r["B"]): r["ms"] for r in plain["rows"]}
+    vllm_ms = {}
+    for run in vllm_runs:
+        k1 = run["speculative_config"]["num_speculative_tokens"] + 1
+        for r in run["rows"]:
+            if r["w"] == k1:
+                vllm_ms[(r["B"], k1)] = (r["ms"], _mode(r))
+    rows = []
+    for r in ours["rows"]:
+        v = vllm_ms.get((r["B"], r["w"]))
+        rows.append({"B": r["B"], "w": r["w"], "ours_ms": r["ms"], "ours_mode": _mode(r),
+                     "vllm_ms": None if v is None else v[0], "vllm_mode": None if v is None else v[1]})
+    return {"shape": shape, "command": command, "plain_ms": plain_ms, "rows": rows}
+
+
+def _mode(row: dict) -> str:
+    """The mode most of a row's steps ran in (``FULL``, ``PIECEWISE`` or ``NONE``), or ``mixed``."""
+    counts: dict[str, int] = {}
+    for key, n in row["graph_modes"].items():
+        counts[key.rsplit(" ", 1)[-1]] = counts.get(key.rsplit(" ", 1)[-1], 0) + n
+    if not counts:
+        return "unknown"
+    mode, n = max(counts.items(), key=lambda kv: kv[1])
+    return mode if n == sum(counts.values()) else f"mostly {mode}"
+
+
+def spec_steps_table_command(
+    ours: Path = typer.Option(..., help="spec-steps JSON of our engine"),
+    plain: Path = typer.Option(..., help="spec-steps JSON of a plain engine"),
+    vllm: list[Path] = typer.Option([], help="spec-steps JSONs of vLLM's own GDN path (verify all), repeatable"),
+    shape: str = typer.Option(..., help="what was measured, e.g. 'Qwen3.6-35B-A3B, dummy weights, H200'"),
+    command: str = typer.Option(..., help="the commands that produced the inputs"),
+    out: Path = typer.Option(..., help="the table JSON to write"),
+) -> None:
+    """Merge spec-steps results into the spec-step table (``docs/benchmarks/spec_steps.json``)."""
+    load = lambda p: json.loads(Path(p).read_text())  # noqa: E731
+    table = spec_steps_table(load(ours), load(plain), [load(p) for p in vllm], shape, command)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    typer.echo(f"wrote {out}")
