@@ -44,6 +44,10 @@ case "$STAGE" in
 kernels)
   run fused python3 -m vllm_hybridspec.tools.fused_round_bench --json "$R/fused_round.json"
   ;;
+tune)
+  run tune python3 -m vllm_hybridspec.tools.fused_round_bench --tune --lengths 2 8 16 --samples 10 --replays 5 \
+    --json "$R/tune.json"
+  ;;
 extras)
   mkdir -p /tmp/devextras && cp .devextras/e* /tmp/devextras/ && (cd /tmp/devextras && cat e0* | tar x && bash install_extras.sh)
   python3 -c "import vllm, vllm_hybridspec.engine.plugin, vllm_hybridspec.engine.drafting.model, vllm_hybridspec.kernels.gdn; print('plugin ok, vllm', vllm.__version__)" 2>&1 | tail -3
@@ -60,13 +64,13 @@ AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained("/
 print("tiny hybrid written")
 PY
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
+  run modes python3 -m vllm_hybridspec.cli spec-steps --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
+    --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,3,5 --batch-sizes 1,3 \
+    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/modes.json"
   run identity python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
     --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
     --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
     --config plain=none --config ngram_one_slot="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/identity.json"
-  run modes python3 -m vllm_hybridspec.cli spec-steps --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
-    --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,3,5 --batch-sizes 1,3 \
-    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/modes.json"
   ;;
 slice|full35)
   LAYERS=12; [ "$STAGE" = full35 ] && LAYERS=40

@@ -181,6 +181,9 @@ def _grouped(fn, target: str, params: list[inspect.Parameter], build):
 
     others = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in sig.parameters.values() if p.name != target]
     command.__signature__ = sig.replace(parameters=[*others, *params])
+    # some typer versions read the annotations rather than the signature
+    command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()
+                               if p.annotation is not inspect.Parameter.empty}
     return command
 
 

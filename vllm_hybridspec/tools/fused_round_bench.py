@@ -127,12 +127,12 @@ class Fused:
         self.pending_m = torch.zeros(B, dtype=torch.int32, device=device)
         self.target = self.halves[0]
 
-    def round(self, r: Round, out: list[torch.Tensor]) -> None:
+    def round(self, r: Round, out: list[torch.Tensor], **launch) -> None:
         for i in range(self.shape.layers):
             gdn_commit_verify(**r.layer(i), state=self.pools[i], state_indices=self.slots,
                               slabs=self.slabs.layer(i), slab_len=SLAB_LEN, pending_entry=self.pending_entry,
                               pending_m=self.pending_m, target_entry=self.target, out=out[i],
-                              method=self.method)
+                              method=self.method, **launch)
 
     def accept(self, m: torch.Tensor) -> None:
         """After rejection sampling: the round just verified becomes the pending one, ``m`` ``[B]``."""
@@ -321,6 +321,36 @@ def run(shape: Shape, batches, lengths, samples: int = 30, replays: int = 10, de
     return result
 
 
+# launch candidates of the fused round (--tune): value rows per program and warps, per method
+TUNE = {"chunk": [dict(BV=BV, num_warps=nw, BK=BK) for BV in (16, 32, 64) for nw in (2, 4, 8) for BK in (64, 128)],
+        "recurrent": [dict(BV=BV, num_warps=nw) for BV in (4, 8, 16) for nw in (1, 2, 4)]}
+
+
+def tune(shape: Shape, batches, lengths, samples: int, replays: int) -> list[dict]:
+    """The fused round at every launch candidate of :data:`TUNE` (bf16 inputs, steady state m = w):
+    one dict per (B, w, method, BV, num_warps) with its ms; the fastest per (B, w) is printed."""
+    rows = []
+    for B in batches:
+        for w in lengths:
+            r = Round(shape, B, w, torch.bfloat16, torch.Generator(device="cuda").manual_seed(1000 * B + w))
+            m = torch.full((B,), w, dtype=torch.int32, device="cuda")
+            out = [torch.empty_like(v) for v in r.v]
+            here = []
+            for method, candidates in TUNE.items():
+                fused = Fused(shape, B, method, "cuda", seed=7)
+                fused.round(r, out)
+                fused.accept(m)
+                for launch in candidates:
+                    ms = graph_ms(functools.partial(fused.round, r, out, **launch), samples, replays)
+                    here.append(dict(B=B, w=w, method=method, **launch, ms=ms))
+            best = min(here, key=lambda x: x["ms"])
+            print(f"tune B={B} w={w}: best {best} ; " + ", ".join(
+                f"{x['method'][0]}{x['BV']}/{x['num_warps']}/{x.get('BK', '-')}:{x['ms']:.3f}" for x in here), flush=True)
+            rows += here
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="35b")
@@ -329,7 +359,14 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=30)
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", type=Path, help="where to write the accuracy, the timings and the run's meta")
+    p.add_argument("--tune", action="store_true", help="time the fused round at every launch candidate "
+                   "(no accuracy check, CUDA only)")
     args = p.parse_args(argv)
+    if args.tune:
+        rows = tune(SHAPES[args.shape], args.batches, args.lengths, args.samples, args.replays)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     bad = [w for w in args.lengths if not 1 <= w <= MAX_VERIFY_LEN]
     if bad:
         p.error(f"--lengths must be in 1..{MAX_VERIFY_LEN}, got {bad}")

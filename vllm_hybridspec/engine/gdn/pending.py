@@ -75,6 +75,12 @@ class PendingRounds:
     """Host bookkeeping and device buffers of the lazy commit, for one model runner's one-slot layers."""
 
     def __init__(self, max_num_seqs: int, max_num_reqs: int, slab_len: int, device: torch.device):
+        # created at the first use, which may be inside vLLM's inference_mode (a dummy run): the buffers
+        # must be ordinary tensors, updated in place by every step whatever the mode
+        with torch.inference_mode(False):
+            self._init(max_num_seqs, max_num_reqs, slab_len, device)
+
+    def _init(self, max_num_seqs: int, max_num_reqs: int, slab_len: int, device) -> None:
         self.E = max_num_seqs
         self.S = slab_len
         self.device = torch.device(device)
