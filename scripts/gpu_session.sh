@@ -66,7 +66,7 @@ PY
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
   run modes python3 -m vllm_hybridspec.cli spec-steps --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
     --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,3,5 --batch-sizes 1,3 \
-    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/modes.json"
+    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 3]}}" --out "$R/modes.json"
   run identity python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
     --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
     --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
