@@ -2,13 +2,17 @@
 # The GPU checks and measurements of the one-slot GDN layer's spec steps (docs/device.md), one stage per
 # call of at most 10 minutes, on the GPU machine after the vLLM bundle (../shared/device/README.md):
 #
+#   bash scripts/gpu_session.sh tune     # launch sweep of the fused round (no vLLM needed)
 #   bash scripts/gpu_session.sh kernels  # gdn_commit_verify and the unfused path: float64 checks on the GPU,
 #                                        # then 30 layers at the 35B shape as one CUDA graph against the
 #                                        # bandwidth and launch floors (no vLLM needed)
 #   bash scripts/gpu_session.sh extras   # speculators & co. next to the bundle (.devextras/e00 carried)
 #   bash scripts/gpu_session.sh smoke    # tiny random Qwen3-Next, vLLM's default graphs: greedy identity of
-#                                        # ngram + one-slot GDN against plain decoding (float32), and the
-#                                        # graph mode of each verification length
+#                                        # ngram + one-slot GDN against plain decoding (float32)
+#   bash scripts/gpu_session.sh bisect   # the smoke comparison with the engine eager, piecewise only, full graphs
+#                                        # without the extra lengths, by default, and vLLM's own GDN path
+#   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
+#                                        # verification length (w = 1, 2, 4 with the plugin's graphs, 8 = K + 1)
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
 #                                        # w = 1..16, B = 1, 4 (ours, K = 15), vLLM's GDN path (K = 15, all),
 #                                        # plain decoding
@@ -52,7 +56,7 @@ extras)
   mkdir -p /tmp/devextras && cp .devextras/e* /tmp/devextras/ && (cd /tmp/devextras && cat e0* | tar x && bash install_extras.sh)
   python3 -c "import vllm, vllm_hybridspec.engine.plugin, vllm_hybridspec.engine.drafting.model, vllm_hybridspec.kernels.gdn; print('plugin ok, vllm', vllm.__version__)" 2>&1 | tail -3
   ;;
-smoke)
+smoke|smoke-model)
   python3 - <<'PY' > "$R/tiny.log" 2>&1
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -63,14 +67,33 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained("/tmp/tiny-hybrid")
 print("tiny hybrid written")
 PY
+  [ "$STAGE" = smoke-model ] && exit 0
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
-  run modes python3 -m vllm_hybridspec.cli spec-steps --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
-    --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,3,5 --batch-sizes 1,3 \
-    --steps 24 --warmup 6 --speculative-config "{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 3]}}" --out "$R/modes.json"
   run identity python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
     --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
     --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
     --config plain=none --config ngram_one_slot="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/identity.json"
+  ;;
+bisect)
+  [ -d /tmp/tiny-hybrid ] || bash scripts/gpu_session.sh smoke-model
+  NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
+  run bisect python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
+    --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
+    --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+    --config plain=none \
+    --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" \
+    --config eager="{$NG, \"engine\": {\"enforce_eager\": true}, \"hybridspec\": {\"gdn_kernel\": true}}" \
+    --config piecewise="{$NG, \"engine\": {\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\"}}, \"hybridspec\": {\"gdn_kernel\": true}}" \
+    --config no_extra_lengths="{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": false}}" \
+    --config default="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/bisect.json"
+  ;;
+modes)
+  HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
+  run modes python3 -m vllm_hybridspec.cli spec-steps --model models/hybrid --prompts models/prompts/heldout.jsonl \
+    --num-prompts 8 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --engine-args "$ENG" --lengths 1,2,4,8 \
+    --batch-sizes 1,4 --steps 32 --warmup 8 \
+    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 4]}}" \
+    --out "$R/modes.json"
   ;;
 slice|full35)
   LAYERS=12; [ "$STAGE" = full35 ] && LAYERS=40

@@ -271,7 +271,7 @@ def write_committed(layer, req):
     pool_window(layer)[req.slot] = req.hist[-W:].float()
 
 
-def simulate(seed, kernels, steps, corrupt=None, debug=False):
+def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4):
     """Serve random batches through the one-slot layer's rounds and ``PendingRounds``: requests that
     arrive (a prefill on vLLM's path), decode with 0..S-1 drafts (random acceptance ``m``), decode
     without drafts (one-token rounds, or vLLM's path next to a prefill chunk), sit a step out, take a
@@ -289,7 +289,7 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False):
     from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach
 
     rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    HK, HV, K, V, width, S, max_seqs, num_slots = 2, 4, 16, 16, 4, 4, 6, 14
+    HK, HV, K, V, width, max_seqs, num_slots = 2, 4, 16, 16, 4, 6, 14
     layer = bare_layer(gen, HK, HV, K, V, width, num_slots, max_seqs, S, kernels)
     conv_dim, W = 2 * HK * K + HV * V, width - 1
     rounds = PendingRounds(max_seqs, max_seqs, S, "cpu")
