@@ -7,9 +7,9 @@ A profile is data, one :class:`AcceptanceProfile` entry in :data:`PROFILES`, and
 a request, then its rounds, then draft positions ``i = 1..D``):
 
 * true logit ``t_i = mu + first_bonus [i = 1] - decay (i - 1) + request_sd u + round_sd z +
-  token_sd e_i`` with standard
-  normal effects of the request (``u``), the round (``z``) and the draft token (``e_i``); the
-  target accepts ``d_i`` given ``d_1..d_{i-1}`` with probability ``c_i = sigmoid(t_i)``, so
+  token_sd e_i`` with standard normal effects of the request (``u``), the round (``z``) and the
+  draft token (``e_i``); the first draft token, predicted next to the target's own last hidden
+  state, is the likeliest to be accepted.  The target accepts ``d_i`` given ``d_1..d_{i-1}`` with probability ``c_i = sigmoid(t_i)``, so
   ``p_true = cumprod(c)`` and ``A_D`` is drawn with ``P(A_D >= i) = p_i`` (the leading successes
   of independent ``Bernoulli(c_i)``).  The request and round terms give easy and hard stretches
   of text; a large round term, which the drafter's confidence also sees, makes whole rounds
