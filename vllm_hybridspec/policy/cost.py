@@ -39,7 +39,6 @@ Cost file (JSON, times in milliseconds)::
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, describe
+from .files import read_json, refuse_non_finite
 from .records import Rounds
 
 MIN_CELL_TOKENS = 30  # paper: sparser cells of nbar_all(w0 | n) use a linear fit in n
@@ -114,6 +114,12 @@ class CostFile(BaseModel):
 
     _times = field_validator("round_ms")(_positive_times)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, obj):
+        # s or eta = Infinity would pass the >= 0 bounds and be saved as null in the policy
+        return refuse_non_finite(obj, "cost file")
+
     @model_validator(mode="after")
     def _one_source(self) -> CostFile:
         if self.s_ms is not None and self.stage0 is not None:
@@ -132,14 +138,8 @@ class CostFile(BaseModel):
 
 
 def load_costs(path: str | Path) -> CostFile:
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"cost file '{path}' does not exist")
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-                         ) from None
+    """Read and validate a cost file; raise :class:`InputError` naming the bad field."""
+    obj = read_json(path, "cost file")
     try:
         return CostFile.model_validate(obj)
     except ValidationError as e:

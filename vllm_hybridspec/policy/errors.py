@@ -25,7 +25,8 @@ def field_path(loc: tuple) -> str:
 
 
 def describe(err: ValidationError, where: str) -> InputError:
-    """Turn a pydantic error into one ``InputError`` whose lines each name a field and its value."""
+    """Turn a pydantic error into a one-line ``InputError`` naming the first bad field and its value
+    (and how many more there are), so a command line prints one line per failure."""
     lines = []
     for e in err.errors(include_url=False):
         msg = e["msg"].removeprefix("Value error, ")
@@ -36,4 +37,5 @@ def describe(err: ValidationError, where: str) -> InputError:
         got = e.get("input")
         shown = "" if isinstance(got, dict) or e["type"] == "value_error" else f" (got {got!r:.80})"
         lines.append(f"{where}: field '{path}': {msg}{shown}" if path else f"{where}: {msg}")
-    return InputError("\n".join(lines))
+    more = f" (and {len(lines) - 1} more problems)" if len(lines) > 1 else ""
+    return InputError(lines[0] + more)

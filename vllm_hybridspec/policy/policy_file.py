@@ -35,7 +35,6 @@ all; below the smallest calibrated size drafting stays on.
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .acceptance import FEATURES, AcceptanceModel, acceptance_model
 from .cost import padded_curve
 from .errors import InputError, describe
+from .files import read_json, refuse_non_finite, write_text_atomic
 from .selector import routing_correction, select_length, select_shared_length, stage0_length
 
 FORMAT = "hybridspec-policy"
@@ -167,6 +167,11 @@ class PolicyFile(BaseModel):
     gate: dict[int, bool] = {}
     fit: dict[str, Any] = {}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _finite(cls, obj):
+        return refuse_non_finite(obj, "policy file")
+
     @model_validator(mode="after")
     def _consistent(self) -> PolicyFile:
         d, w_max = self.draft_len, self.draft_len + 1
@@ -201,14 +206,7 @@ class PolicyFile(BaseModel):
 
 def load_policy(path: str | Path) -> PolicyFile:
     """Read and validate a policy file; raise :class:`InputError` naming the bad field."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"policy file '{path}' does not exist")
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-                         ) from None
+    obj = read_json(path, "policy file")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise InputError(f"{path}: not a policy file (field 'format' must be '{FORMAT}')")
     if obj.get("version") != VERSION:
@@ -221,7 +219,8 @@ def load_policy(path: str | Path) -> PolicyFile:
 
 
 def save_policy(policy: PolicyFile, path: str | Path) -> None:
-    Path(path).write_text(policy.model_dump_json(indent=1) + "\n")
+    """Write the policy file atomically: all of it, or nothing on failure."""
+    write_text_atomic(path, policy.model_dump_json(indent=1) + "\n")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tqdm import tqdm
 
 from .errors import InputError, describe
+from .files import atomic_path, not_text
 
 
 class RoundRecord(BaseModel):
@@ -108,27 +110,38 @@ def iter_jsonl_objects(path: Path, expected: str, progress: str | None = None) -
     """``(where, obj)`` for each non-blank line of a ``.jsonl`` / ``.jsonl.gz`` file, ``where`` being
     ``"<path> line <n>"`` for the caller's own field errors.  A line that is not JSON, or not a JSON
     object, raises :class:`InputError` naming file and line (``expected`` completes "expected ...,
-    got <type>").  ``progress``: the unit of a tqdm progress bar, or ``None`` for none."""
-    with open_text(path) as f:
-        lines = f if progress is None else tqdm(f, desc=f"reading {path.name}", unit=f" {progress}",
-                                                disable=None, leave=False)
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected {expected}, got {type(obj).__name__}")
-            yield where, obj
+    got <type>"); so does a file that is not text, or a ``.gz`` that is not gzip.  ``progress``: the
+    unit of a tqdm progress bar, or ``None`` for none."""
+    lineno = 0
+    try:
+        with open_text(path) as f:
+            lines = f if progress is None else tqdm(f, desc=f"reading {path.name}",
+                                                    unit=f" {progress}", disable=None, leave=False)
+            for lineno, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path} line {lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})"
+                                     ) from None
+                if not isinstance(obj, dict):
+                    raise InputError(f"{where}: expected {expected}, got {type(obj).__name__}")
+                yield where, obj
+    except UnicodeDecodeError:
+        raise not_text(path, "JSONL, or gzip-compressed JSONL named *.gz") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise InputError(f"{path}: not a readable gzip file ({e or 'it ends early'}, after "
+                         f"{lineno} lines); a *.gz file must be gzip-compressed JSONL") from None
 
 
 def load_records(path: str | Path) -> list[RoundRecord]:
     """Read and validate a JSONL records file (``.jsonl`` or ``.jsonl.gz``); raise :class:`InputError`
     naming line and field."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"records file '{path}' is a directory, not a file")
     if not path.is_file():
         raise InputError(f"records file '{path}' does not exist")
     records: list[RoundRecord] = []
@@ -148,7 +161,8 @@ def load_records(path: str | Path) -> list[RoundRecord]:
 
 
 def save_records(records: list[RoundRecord], path: str | Path) -> None:
-    with open_text(Path(path), "w") as f:
+    """Write JSONL (gzip-compressed for ``*.gz``) atomically: all of it, or nothing on failure."""
+    with atomic_path(path) as tmp, open_text(tmp, "w") as f:
         for r in records:
             f.write(r.model_dump_json(exclude_none=True) + "\n")
 

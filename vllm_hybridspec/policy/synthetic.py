@@ -39,6 +39,22 @@ def true_conditional(latent: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-(1.3 * latent - 1.0 - 0.03 * i)))
 
 
+def top1_entropy(conf: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """Entropy (nats) of a distribution with top-1 probability ``conf`` and the rest spread evenly
+    over ``spread`` tokens.  Same shapes in and out."""
+    rest = np.clip(1.0 - conf, 1e-12, None)
+    return np.maximum(-(conf * np.log(conf) + rest * np.log(rest / spread)), 0.0)
+
+
+def expert_counts(rng: np.random.Generator, n: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer-0 new experts and later-layer new pairs, [n, d] int each (the module docstring)."""
+    a = 0.75 * 0.92 ** np.arange(d)
+    zeta, xi = rng.standard_normal((n, d)), rng.standard_normal((n, d))
+    n0 = rng.binomial(k, np.clip(a * np.exp(0.4 * zeta), 0.0, 1.0))
+    later = rng.poisson(39 * k * a * np.exp(0.4 * (0.75 * zeta + 0.66 * xi)) / 2)
+    return n0, later
+
+
 def synthesize(n_rounds: int, draft_len: int = 15, seed: int = 0, experts_per_token: int = 8,
                max_tokens: int = 512, eos_prob: float = 0.01, routing: bool = True
                ) -> list[RoundRecord]:
@@ -51,16 +67,11 @@ def synthesize(n_rounds: int, draft_len: int = 15, seed: int = 0, experts_per_to
     conf = 1.0 / (1.0 + np.exp(-latent))
     c = true_conditional(latent)
     p_true = np.cumprod(c, axis=1)
-    spread = np.exp(math.log(20.0) + 0.8 * rng.standard_normal((n, d)))
-    rest = np.clip(1.0 - conf, 1e-12, None)
-    ent = -(conf * np.log(conf) + rest * np.log(rest / spread))
+    ent = top1_entropy(conf, np.exp(math.log(20.0) + 0.8 * rng.standard_normal((n, d))))
     ok = rng.random((n, d)) < c
     accepted = np.cumprod(ok, axis=1).sum(axis=1)
 
-    a = 0.75 * 0.92 ** i
-    zeta, xi = rng.standard_normal((n, d)), rng.standard_normal((n, d))
-    n0 = rng.binomial(k, np.clip(a * np.exp(0.4 * zeta), 0.0, 1.0))
-    later = rng.poisson(39 * k * a * np.exp(0.4 * (0.75 * zeta + 0.66 * xi)) / 2)
+    n0, later = expert_counts(rng, n, d, k)
 
     records, emitted, request = [], 0, 0
     for r in range(n):
@@ -73,7 +84,7 @@ def synthesize(n_rounds: int, draft_len: int = 15, seed: int = 0, experts_per_to
             # the round stopped early: its accepted count is cut where EOS or the limit fell
             a_d = int(rng.integers(0, a_d + 1)) if eos else min(a_d, remaining - 1)
         records.append(RoundRecord(
-            conf=conf[r].tolist(), ent=np.maximum(ent[r], 0.0).tolist(), accepted=a_d,
+            conf=conf[r].tolist(), ent=ent[r].tolist(), accepted=a_d,
             truncated=bool(truncated), remaining=remaining, request=request,
             p_true=np.minimum.accumulate(p_true[r]).tolist(),
             n_new_l0=n0[r].tolist() if routing else None,
