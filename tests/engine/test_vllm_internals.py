@@ -519,3 +519,34 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
                 gate, up = (layer.w13_weight[e].double() @ x[t].double()).split(inter)
                 ref[t] += float(weights[t, j]) * (layer.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_symbols_the_pending_rounds_rely_on_keep_their_shape():
+    """The one-slot layer's runner patches (``engine/gdn/runner.py``): the plan is computed after
+    ``_prepare_inputs`` (inside ``synchronize_input_prep``, which guards the pinned host buffers), from
+    the draft counts ``_prepare_inputs`` writes for the GDN builder, the input batch's row order,
+    computed tokens and block tables, and the scheduler's finished, preempted and resumed requests;
+    dummy runs and captures go through ``_dummy_run``."""
+    import dataclasses
+    import inspect
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.worker.block_table import BlockTable, MultiGroupBlockTable
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prepare = inspect.getsource(getattr(GPUModelRunner._prepare_inputs, "__wrapped__", GPUModelRunner._prepare_inputs))
+    assert "self.num_decode_draft_tokens.np[:num_reqs] = num_decode_draft_tokens" in prepare
+    assert "if num_scheduled_tokens[req_idx] == draft_len + 1:" in prepare
+    execute = inspect.getsource(GPUModelRunner.execute_model)
+    assert execute.index("self.synchronize_input_prep()") < execute.index("self._prepare_inputs(") < execute.index(
+        "self._model_forward(")
+    assert "self.num_decode_draft_tokens.cpu[" in inspect.getsource(GPUModelRunner._build_attention_metadata)
+    assert callable(GPUModelRunner._dummy_run)
+    assert "self.num_computed_tokens_cpu = " in inspect.getsource(InputBatch.__init__)
+    assert callable(BlockTable.get_numpy_array) and callable(MultiGroupBlockTable.__getitem__)
+    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"finished_req_ids", "preempted_req_ids", "scheduled_spec_decode_tokens", "num_scheduled_tokens",
+            "scheduled_cached_reqs"} <= fields
+    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
+    assert "kv_cache_groups" in inspect.getsource(GPUModelRunner.initialize_kv_cache)
