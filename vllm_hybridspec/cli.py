@@ -7,6 +7,8 @@ import typer
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
+from vllm_hybridspec.tools.compare import compare
+from vllm_hybridspec.tools.evaluate import evaluate_command
 from vllm_hybridspec.tools.full_shape import full_shape
 from vllm_hybridspec.tools.replay_record import replay_record
 from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_command
@@ -49,6 +51,8 @@ def demo(
 
 
 app.add_typer(calibrate_app, name="calibrate")
+app.command("compare")(compare)
+app.command("evaluate")(evaluate_command)
 app.command("spec-steps")(spec_steps)
 app.command("spec-steps-table")(spec_steps_table_command)
 app.command("full-shape")(full_shape)

@@ -189,22 +189,22 @@ def test_no_engine_guard_sees_a_valid_run(no_engine, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# examples/vllm_compare.py --isolate --logprobs --sweep-lengths
+# hybridspec compare --isolate --logprobs --sweep-lengths
 # ---------------------------------------------------------------------------------------------------
 
-# Runs examples/vllm_compare.py as __main__ with run_config poisoned in this (parent) process: with
-# --isolate every config runs in a spawned child, which imports vllm_hybridspec.tools.compare afresh, so a
-# result only comes back if the config really ran in its own process.
+# Runs `hybridspec compare` with run_config poisoned in this (parent) process: with --isolate every
+# config runs in a spawned child, which imports vllm_hybridspec.tools.compare afresh, so a result only
+# comes back if the config really ran in its own process.
 COMPARE_WRAPPER = """
-import runpy, sys
+import sys
 import vllm_hybridspec.tools.compare as compare
 
 def run_config_in_parent(*args, **kwargs):
     raise SystemExit("run_config ran in the parent process: --isolate did not isolate the config")
 
 compare.run_config = run_config_in_parent
-sys.argv[0] = "examples/vllm_compare.py"
-runpy.run_path("examples/vllm_compare.py", run_name="__main__")
+from vllm_hybridspec.cli import app
+app(["compare", *sys.argv[1:]])
 """
 
 MISSING_DRAFTER = "/nonexistent/hspec-drafter-for-test"
@@ -227,7 +227,7 @@ def compared(tmp_path_factory):
                       "--max-tokens", str(MAX_TOKENS), "--bs1-prompts", "0", "--enforce-eager", "--isolate",
                       "--logprobs", "--sweep-lengths", "1,4", "--sweep-steps", "4", "--sweep-warmup", "3",
                       "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-                      "--llm-kwargs", '{"max_num_batched_tokens": 256}', "--out", str(out)])
+                      "--engine-args", '{"max_num_batched_tokens": 256}', "--out", str(out)])
     print(proc.stdout)
     return {r["name"]: r for r in json.loads(out.read_text())["results"]}, json.loads(out.read_text())
 
@@ -237,7 +237,7 @@ def test_compare_isolated_configs_and_a_failing_one(compared):
     path, and plain decoding before it and H-Spec after it still produced every prompt's output."""
     results, raw = compared
     assert [r["name"] for r in raw["results"]] == ["plain", "broken", "hspec"]
-    assert raw["args"]["isolate"] is True
+    assert raw["settings"]["isolate"] is True
     broken = results["broken"]
     assert set(broken) == {"name", "speculative_config", "error"}
     assert MISSING_DRAFTER in broken["error"]

@@ -1,4 +1,4 @@
-"""``vllm_hybridspec.tools.evaluate`` (``examples/evaluate_one_engine.py``) on the CPU: one engine of the
+"""``hybridspec evaluate`` (``vllm_hybridspec/tools/evaluate.py``) on the CPU: one engine of the
 reference hybrid target with its trained H-Spec drafter and the one-slot GDN layer measures the costs
 (fixed lengths, and plain steps with drafting off), fits a policy to the drafter's committed round
 records, and decodes in every mode; the modes' greedy outputs, vLLM's counters and the selector's
@@ -47,7 +47,7 @@ def run_child(args: list[str]) -> str:
 
 
 def evaluate_args(spec: dict, prompts: Path, out: Path, lengths=LENGTHS, modes=None) -> list[str]:
-    return ["examples/evaluate_one_engine.py", "--target", str(MODELS / "hybrid"), "--prompts", str(prompts),
+    return ["-m", "vllm_hybridspec.cli", "evaluate", "--model", str(MODELS / "hybrid"), "--prompts", str(prompts),
             "--num-prompts", str(PROMPTS), "--speculative-config", json.dumps(spec),
             "--engine-args", json.dumps(ENGINE), "--records", str(RECORDS),
             "--lengths", ",".join(map(str, lengths)), "--batch-sizes", ",".join(map(str, BATCHES)),

@@ -60,7 +60,7 @@ def test_hspec_one_slot_gdn_and_selection_at_tp2_equal_plain_decoding():
 
 
 def test_compare_command_runs_tensor_parallel_configs(tmp_path):
-    """``examples/vllm_compare.py`` with ``tensor_parallel_size`` 2 (what ``gpu_session.sh tp2-35b`` runs on
+    """``hybridspec compare`` with ``tensor_parallel_size`` 2 (what ``gpu_session.sh tp2-35b`` runs on
     a two-GPU machine): the engine core stays in the process and the workers do not, so there are no
     selector statistics and no step sweep, but identity and KV capacity are reported; H-Spec + one-slot
     GDN + selection gives plain TP = 2 decoding's greedy output."""
@@ -73,10 +73,10 @@ def test_compare_command_runs_tensor_parallel_configs(tmp_path):
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) >= 2 else "0|0",
            "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "examples/vllm_compare.py", "--target", str(MODELS / "hybrid"), "--prompts", str(prompts),
+        [sys.executable, "-m", "vllm_hybridspec.cli", "compare", "--target", str(MODELS / "hybrid"), "--prompts", str(prompts),
          "--num-prompts", "6", "--max-tokens", str(MAX_TOKENS), "--bs1-prompts", "0", "--enforce-eager", "--isolate",
          "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--sweep-lengths", "1,8",
-         "--llm-kwargs", json.dumps({"mamba_ssm_cache_dtype": "float32", "tensor_parallel_size": 2,
+         "--engine-args", json.dumps({"mamba_ssm_cache_dtype": "float32", "tensor_parallel_size": 2,
                                      "distributed_executor_backend": "mp", "max_num_batched_tokens": 1024}),
          "--config", "plain=none", "--config", f"hspec_sel={json.dumps(spec)}", "--out", str(out)],
         cwd=MODELS.parent, env=env, capture_output=True, text=True, timeout=1200, check=False)

@@ -4,18 +4,17 @@ turns them into a policy file (``vllm_hybridspec.policy``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from vllm_hybridspec.policy.cli import calibrate_app, fail
 from vllm_hybridspec.policy.errors import InputError
+from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, json_object
 
 
-@calibrate_app.command("capture")
 def capture(
-    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    engine: EngineOptions,
     speculative_config: str = typer.Option(..., help="the drafter, as --speculative-config JSON (method, model, "
                                            "num_speculative_tokens = D)"),
     out: Path = typer.Option(..., help="round records to write (JSONL, docs/policy.md)"),
@@ -26,7 +25,6 @@ def capture(
     temperature: float = typer.Option(0.0, min=0.0, help="sampling temperature of the calibration run"),
     prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
     vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
-    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON"),
 ) -> None:
     """Run target + drafter through vLLM verifying every draft token and write the round records
     (confidences, entropies, accepted counts) that `calibrate fit --records` reads."""
@@ -34,21 +32,19 @@ def capture(
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     spec = _speculative_config(speculative_config)
-    extra = _json_object(engine_args, "engine-args")
     options = dict(spec.get("hybridspec") or {})
     for key in ("policy", "select", "fixed_length", "batched"):
         if options.get(key):
             raise fail(ValueError(f'--speculative-config: "hybridspec.{key}" = {options[key]!r}; a capture run '
                                   "verifies every draft token"))
-    token_prompts = _calibration_prompts(model, prompts, num_prompts, prompt_len, vocab)
+    token_prompts = _calibration_prompts(engine.model, prompts, num_prompts, prompt_len, vocab)
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "hybridspec": {**options, "capture": str(out)}}
     from vllm import LLM, SamplingParams
 
     try:
-        llm = LLM(model=model, skip_tokenizer_init=True, seed=0, speculative_config=spec, disable_log_stats=False,
-                  **extra)
+        llm = LLM(**engine.llm_kwargs(speculative_config=spec, disable_log_stats=False))
     except ValueError as e:
         raise fail(e) from None
     params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=0)
@@ -85,30 +81,22 @@ def _speculative_config(text: str) -> dict:
 def _calibration_prompts(model: str, prompts: Path | None, num_prompts: int, prompt_len: int,
                          vocab: int) -> list[dict]:
     """Token-id prompts: the ``prompt`` texts of a JSONL file (the model's tokenizer) or random ids."""
-    import types
-
-    from vllm_hybridspec.tools.compare import load_prompts
-
-    if prompts is not None and not prompts.is_file():
-        raise fail(ValueError(f"--prompts {str(prompts)!r} does not exist"))
-    ns = types.SimpleNamespace(random_prompts=prompts is None, prompts=prompts, target=model, seed=0,
-                               num_prompts=num_prompts, prompt_len=prompt_len, vocab=vocab)
-    return load_prompts(ns)
+    try:
+        return PromptOptions(prompts=prompts, random_prompts=prompts is None, num_prompts=num_prompts,
+                             prompt_len=prompt_len, vocab=vocab).load(model)
+    except typer.BadParameter as e:
+        raise fail(ValueError(str(e))) from None
 
 
 def _json_object(text: str, name: str) -> dict:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise fail(ValueError(f"--{name} is not valid JSON ({e}): {text!r}")) from None
-    if not isinstance(value, dict):
-        raise fail(ValueError(f"--{name} must be a JSON object, got {text!r}"))
-    return value
+        return json_object(text, name)
+    except typer.BadParameter as e:
+        raise fail(ValueError(str(e))) from None
 
 
-@calibrate_app.command("costs")
 def costs(
-    model: str = typer.Option(..., help="target model (path or name), as for vllm serve"),
+    engine: EngineOptions,
     speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON (method, model, "
                                            "num_speculative_tokens); omit with --plain to time plain decoding only"),
     out: Path = typer.Option(..., help="cost file to write (JSON, docs/policy.md); the runs go to <out>.runs.json"),
@@ -123,8 +111,6 @@ def costs(
     vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
     steps: int = typer.Option(48, min=2, help="timed decode steps per (batch size, length)"),
     warmup: int = typer.Option(4, min=1, help="steps before timing (prefill included)"),
-    engine_args: str = typer.Option("{}", help="more vllm.LLM keyword arguments as JSON, e.g. "
-                                    '\'{"enforce_eager": true, "load_format": "dummy"}\''),
 ) -> None:
     """Per-round decode time at fixed verification lengths, measured through vLLM (the cost file of
     `calibrate fit`)."""
@@ -140,14 +126,13 @@ def costs(
         return sorted(set(values))
 
     spec = None if speculative_config is None else _speculative_config(speculative_config)
-    extra = _json_object(engine_args, "engine-args")
     if spec is None and not plain:
         raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
     if plain_gated and (spec is None or plain):
         raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
                               "--speculative-config and excludes --plain"))
     batches = numbers(batch_sizes, "batch-sizes")
-    token_prompts = _calibration_prompts(model, prompts, max(batches), prompt_len, vocab)
+    token_prompts = _calibration_prompts(engine.model, prompts, max(batches), prompt_len, vocab)
     if len(token_prompts) < max(batches):
         raise fail(ValueError(f"--prompts {str(prompts)!r} has {len(token_prompts)} prompts; "
                               f"--batch-sizes needs {max(batches)}"))
@@ -161,8 +146,8 @@ def costs(
         bar.set_postfix_str(label)
 
     try:
-        cost_file, runs = measure_costs(model, spec, numbers(lengths, "lengths"), batches, token_prompts, steps,
-                                        warmup, extra, plain, progress, plain_gated=plain_gated)
+        cost_file, runs = measure_costs(engine.model, spec, numbers(lengths, "lengths"), batches, token_prompts,
+                                        steps, warmup, engine.llm_kwargs(), plain, progress, plain_gated=plain_gated)
     except ValueError as e:
         bar.close()
         raise fail(e) from None
@@ -172,3 +157,7 @@ def costs(
         what = "plain" if r["length"] is None else f"w={r['length']:<2}"
         typer.echo(f"B={r['batch']:<3} {what:<6} {r['mean_ms']:9.3f} ms/step  {r['tokens_per_step']:.2f} tokens/step")
     typer.echo(f"wrote {out if 'round_ms' in cost_file else '(no cost file: plain only)'} and {sidecar}")
+
+
+calibrate_app.command("capture")(engine_options(capture))
+calibrate_app.command("costs")(engine_options(costs))

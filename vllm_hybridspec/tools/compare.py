@@ -1,21 +1,20 @@
-"""Side-by-side greedy runs of one target under several speculative configs, in one process
-(``examples/vllm_compare.py`` is its command line; ``hybridspec demo`` uses it on the reference models).
+"""``hybridspec compare``: side-by-side greedy runs of one target under several speculative configs
+(``hybridspec demo`` uses it on the reference models).
 
 For every config: greedy outputs on the same prompts (compared token for token with the first config,
 normally plain decoding), output tokens/s at batch size 1 (prompts one after another) and with all
 prompts submitted at once, spec-decode acceptance counters, and the KV-cache capacity the engine
 reports. Results go to ``--out`` as JSON and a table on stdout.
 
-    python examples/vllm_compare.py --target models/hybrid \\
-        --config plain=none \\
-        --config hspec='{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7}' \\
-        --config dflash='{"method": "dflash", "model": "models/hybrid-dflash", "num_speculative_tokens": 7}' \\
-        --prompts models/prompts/heldout.jsonl --num-prompts 24 --max-tokens 128 --out compare.json
+    hybridspec compare --model models/hybrid --prompts models/prompts/heldout.jsonl --num-prompts 24 \
+        --max-tokens 128 --config plain=none \
+        --config hspec='{"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7}' \
+        --out compare.json
 
-Full-size shapes without weights: ``--load-format dummy --hf-overrides '{...}'`` and
-``--random-prompts`` (token ids). On the H200 pass
-``--additional-config '{"gdn_prefill_backend": "triton"}'`` for GDN targets
-(../shared/device/README.md).
+Full-size shapes without weights: ``--load-format dummy --engine-args '{"hf_overrides": {...}}'`` and
+``--random-prompts`` (token ids). On the H200 pass ``--engine-args '{"additional_config":
+{"gdn_prefill_backend": "triton"}}'`` for GDN targets (../shared/device/README.md). A config may carry
+engine arguments of its own: ``NAME='{"engine": {...}, <speculative config>}'``.
 """
 
 from __future__ import annotations
@@ -24,6 +23,12 @@ import gc
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, int_list, prompt_options
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the scheduler's KV config is readable
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,34 +55,6 @@ def identical_prompts(outputs: list[list[int]], reference: list[list[int]]) -> i
     return sum(a == b for a, b in zip(outputs, reference))
 
 
-def load_prompts(args) -> list[dict]:
-    """Token-id prompts: random ids (``args.random_prompts``) or a JSONL file's rows, each a
-    ``prompt`` text (tokenised with the target's tokenizer), a ``prompt`` list of token ids, or a
-    ``prompt_token_ids`` list (so a ``hybridspec replay-record`` continuations file serves as is)."""
-    import torch
-
-    if args.random_prompts:
-        gen = torch.Generator().manual_seed(args.seed)
-        lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (args.num_prompts,), generator=gen)
-        return [{"prompt_token_ids": torch.randint(0, args.vocab, (int(n),), generator=gen).tolist()}
-                for n in lengths]
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.num_prompts]
-    if not rows:
-        raise ValueError(f"prompt file {args.prompts!r} holds no prompts")
-    ids = [r.get("prompt_token_ids", r.get("prompt")) for r in rows]
-    kinds = [isinstance(x, list) for x in ids]
-    if all(kinds):
-        return [{"prompt_token_ids": [int(t) for t in x]} for x in ids]
-    if any(kinds) or not all(isinstance(x, str) for x in ids):
-        bad = next(i for i, x in enumerate(ids) if isinstance(x, list) != kinds[0] or x is None)
-        raise ValueError(f"prompt file {args.prompts!r}, row {bad + 1}: every row needs a 'prompt' text, or every "
-                         f"row a token-id list ('prompt' or 'prompt_token_ids'); got {str(ids[bad])[:60]!r}")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    return [{"prompt_token_ids": tokenizer(r["prompt"], add_special_tokens=False).input_ids} for r in rows]
-
-
 def split_engine_args(spec: dict | None) -> tuple[dict | None, dict]:
     """A config may carry its own engine arguments: ``{"engine": {...}, <speculative config>}``; a dict
     with only ``"engine"`` is plain decoding with those arguments."""
@@ -90,29 +67,36 @@ def split_engine_args(spec: dict | None) -> tuple[dict | None, dict]:
     return (spec or None), engine
 
 
-def run_config(name: str, spec, args, prompts) -> dict:
-    """Start an engine for ``spec`` (``None``: plain decoding), measure, shut it down; ``args`` carries
-    the engine settings (the command line's namespace), ``spec["engine"]`` this config's own."""
+@dataclass
+class CompareSettings:
+    """What a comparison measures besides the engine: tokens per prompt, prompts timed at batch size 1,
+    top-2 log-probabilities (near-ties), each config in its own process, and a step sweep."""
+
+    max_tokens: int = 128
+    bs1_prompts: int = 4
+    logprobs: bool = False
+    isolate: bool = False
+    sweep_lengths: list[int] | None = None
+    sweep_batches: tuple[int, ...] = (1,)
+    sweep_steps: int = 32
+    sweep_warmup: int = 4
+
+
+def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings, prompts) -> dict:
+    """Start an engine for ``spec`` (``None``: plain decoding), measure, shut it down; ``engine`` holds
+    the engine settings, ``spec["engine"]`` this config's own."""
     import torch
     from vllm import LLM, SamplingParams
 
     from vllm_hybridspec.engine.compat import in_process_drafter, kv_capacity_tokens
 
     spec, own_engine_args = split_engine_args(spec)
-    extra = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
-    for key, raw in (("hf_overrides", args.hf_overrides), ("additional_config", args.additional_config)):
-        if raw:
-            extra[key] = json.loads(raw)
-    extra.update(own_engine_args)
-    engine_kw = {"enforce_eager": args.enforce_eager, "load_format": args.load_format,
-                 "max_num_seqs": args.max_num_seqs, **extra}
+    engine_kw = engine.llm_kwargs(**own_engine_args)
     t_start = time.perf_counter()
-    llm = LLM(model=args.target, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
-              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_mem,
-              speculative_config=spec, disable_log_stats=False, **engine_kw)
+    llm = LLM(**engine_kw, speculative_config=spec, disable_log_stats=False)
     start_s = time.perf_counter() - t_start
-    logprobs = getattr(args, "logprobs", False)
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+    logprobs = settings.logprobs
+    greedy = SamplingParams(temperature=0, max_tokens=settings.max_tokens, ignore_eos=True,
                             logprobs=2 if logprobs else None)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = spec_counters(llm)
@@ -123,10 +107,10 @@ def run_config(name: str, spec, args, prompts) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     # top-2 log-probability gap at each output position (where a divergence is a floating-point near-tie)
     gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=settings.max_tokens, ignore_eos=True)
     counters, acceptance_length = counter_delta(before, after)
     bs1_tokens, t0 = 0, time.perf_counter()
-    for p in prompts[: args.bs1_prompts]:
+    for p in prompts[: settings.bs1_prompts]:
         bs1_tokens += len(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
     bs1_s = time.perf_counter() - t0
     result = {
@@ -135,8 +119,8 @@ def run_config(name: str, spec, args, prompts) -> dict:
         "kv_capacity_tokens": kv_capacity_tokens(llm),
         "batch_tokens_per_s": sum(map(len, tokens)) / batch_s,
         "batch_size": len(prompts),
-        "bs1_tokens_per_s": bs1_tokens / bs1_s if args.bs1_prompts else None,
-        "bs1_prompts": args.bs1_prompts,
+        "bs1_tokens_per_s": bs1_tokens / bs1_s if settings.bs1_prompts else None,
+        "bs1_prompts": settings.bs1_prompts,
         "spec_counters": counters,
         "mean_acceptance_length": acceptance_length,
         "outputs": tokens,
@@ -150,12 +134,12 @@ def run_config(name: str, spec, args, prompts) -> dict:
     selector = getattr(in_process_drafter(llm), "length_selector", None) if spec is not None and in_process else None
     if selector is not None:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
-    sweep = getattr(args, "sweep_lengths", None)
+    sweep = settings.sweep_lengths
     if sweep and spec is not None and not in_process:
         result["round_ms"] = {"skipped": "the proposer is not in this process (tensor parallelism)"}
     elif sweep:
-        result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, args.sweep_batches, args.sweep_steps,
-                                               getattr(args, "sweep_warmup", 4))
+        result["round_ms"] = sweep_round_times(llm, spec, prompts, sweep, list(settings.sweep_batches),
+                                               settings.sweep_steps, settings.sweep_warmup)
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -216,15 +200,15 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
-def _run_in_child(conn, name, spec, args, prompts) -> None:
+def _run_in_child(conn, name, spec, engine, settings, prompts) -> None:
     try:
-        conn.send(run_config(name, spec, args, prompts))
+        conn.send(run_config(name, spec, engine, settings, prompts))
     except Exception as e:  # the parent records it
         conn.send({"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"})
     conn.close()
 
 
-def _run_isolated(name: str, spec, args, prompts) -> dict:
+def _run_isolated(name: str, spec, engine: EngineOptions, settings: CompareSettings, prompts) -> dict:
     """``run_config`` in a fresh (spawned) process: an engine's GPU memory is only certainly given back
     when its process ends (on the H200 a second in-process engine at the 35B shape found 14.6 of
     139.8 GiB free), and a CUDA error cannot poison the next config."""
@@ -232,7 +216,7 @@ def _run_isolated(name: str, spec, args, prompts) -> dict:
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_in_child, args=(child, name, spec, args, prompts))
+    proc = ctx.Process(target=_run_in_child, args=(child, name, spec, engine, settings, prompts))
     proc.start()
     child.close()
     try:
@@ -246,22 +230,75 @@ def _run_isolated(name: str, spec, args, prompts) -> dict:
     return result
 
 
-def run_all(configs: list[tuple[str, dict | None]], args, prompts, out: str | None = None) -> list[dict]:
-    """Every config in turn (each in its own process with ``args.isolate``); a failing one is recorded
-    with its error and the others still run. ``out`` is rewritten after every config."""
+def run_all(configs: list[tuple[str, dict | None]], engine: EngineOptions, settings: CompareSettings, prompts,
+            out: str | Path | None = None) -> list[dict]:
+    """Every config in turn (each in its own process with ``settings.isolate``); a failing one is
+    recorded with its error and the others still run. ``out`` is rewritten after every config."""
     results = []
     for name, spec in configs:
-        if getattr(args, "isolate", False):
-            result = _run_isolated(name, spec, args, prompts)
+        if settings.isolate:
+            result = _run_isolated(name, spec, engine, settings, prompts)
         else:
             try:
-                result = run_config(name, spec, args, prompts)
+                result = run_config(name, spec, engine, settings, prompts)
             except Exception as e:
                 result = {"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"}
         if "error" in result:
             print(f"[{name}] failed: {result['error']}", flush=True)
         results.append(result)
         if out:
-            with open(out, "w") as f:
-                json.dump({"args": vars(args), "results": results}, f)
+            Path(out).write_text(json.dumps({"engine": asdict(engine), "settings": asdict(settings),
+                                             "results": results}))
     return results
+
+
+def parse_configs(items: list[str]) -> list[tuple[str, dict | None]]:
+    """``NAME=JSON`` or ``NAME=none`` each; ``typer.BadParameter`` naming a bad one."""
+    configs = []
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"--config {item!r}: expected NAME=JSON or NAME=none")
+        if raw.strip() == "none":
+            configs.append((name, None))
+            continue
+        try:
+            spec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"--config {name}: not valid JSON ({e}): {raw!r}") from None
+        if not isinstance(spec, dict):
+            raise typer.BadParameter(f"--config {name}: expected a JSON object, got {raw!r}")
+        configs.append((name, spec))
+    return configs
+
+
+def compare(
+    engine: EngineOptions,
+    prompts: PromptOptions,
+    config: list[str] = typer.Option(..., help="NAME=JSON (a --speculative-config, optionally with \"engine\": "
+                                     "{...}) or NAME=none (plain decoding); repeatable, the first is the reference"),
+    max_tokens: int = typer.Option(128, min=1, help="greedy tokens per prompt"),
+    bs1_prompts: int = typer.Option(4, min=0, help="prompts also timed one at a time (batch size 1)"),
+    logprobs: bool = typer.Option(False, help="record the top-2 log-probability gap at every output position"),
+    isolate: bool = typer.Option(False, help="each config in its own process (an engine's GPU memory is only "
+                                 "certainly freed when its process ends)"),
+    sweep_lengths: str = typer.Option(None, help="also time decode steps at these verification lengths, for configs "
+                                      'with "hybridspec": {"fixed_length": K + 1} (and plain decoding once)'),
+    sweep_batches: str = typer.Option("1", help="batch sizes of the step sweep"),
+    sweep_steps: int = typer.Option(32, min=2),
+    sweep_warmup: int = typer.Option(4, min=1, help="untimed steps first (a shape's first use compiles)"),
+    out: Path = typer.Option(..., help="result JSON (rewritten after every config)"),
+) -> None:
+    """Greedy outputs, KV capacity, acceptance and tokens/s of one target under several speculative
+    configs, side by side."""
+    settings = CompareSettings(max_tokens, bs1_prompts, logprobs, isolate,
+                               int_list(sweep_lengths, "sweep-lengths") if sweep_lengths else None,
+                               tuple(int_list(sweep_batches, "sweep-batches")), sweep_steps, sweep_warmup)
+    configs = parse_configs(config)
+    token_prompts = prompts.load(engine.model)
+    results = run_all(configs, engine, settings, token_prompts, out)
+    typer.echo(summary_table(results, len(token_prompts)))
+    Path(out).write_text(json.dumps({"engine": asdict(engine), "settings": asdict(settings), "results": results}))
+
+
+compare = prompt_options(engine_options(compare))

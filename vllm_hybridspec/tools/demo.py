@@ -11,6 +11,7 @@ factors that replace them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -91,17 +92,17 @@ def run_gdn_round_demo(max_len: int = 16, batch: int = 3, layers: int = 3, seed:
     return ok
 
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"  # the committed reference models
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"  # the committed reference models
 
 
 def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int = 48,
-                     num_speculative_tokens: int = 7, models_dir: Path = MODELS_DIR) -> bool:
+                     num_speculative_tokens: int = 7, models_dir: Path = MODELS_DIR, bs1_prompts: int = 2) -> bool:
     """Serve the reference ``kind`` target through vLLM with its H-Spec drafter and without
-    speculation (same process, one after the other), greedy, on held-out prompts; print the table and
+    speculation (one after the other), greedy, on held-out prompts; print tokens/s side by side (all
+    prompts at once, and ``bs1_prompts`` one at a time), their ratio and the acceptance length, and
     return whether every output is identical to plain decoding."""
-    import argparse
-
-    from vllm_hybridspec.tools.compare import load_prompts, run_all, summary_table
+    from vllm_hybridspec.tools.compare import CompareSettings, run_all
+    from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions
 
     target, drafter = models_dir / kind, models_dir / f"{kind}-hspec"
     missing = [str(p) for p in (target, drafter, models_dir / "prompts" / "heldout.jsonl") if not p.exists()]
@@ -109,21 +110,45 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
         raise FileNotFoundError(f"reference models not found: {missing}; they are committed under models/ "
                                 "(or rebuild them with `make models`)")
     on_gpu = torch.cuda.is_available()
-    args = argparse.Namespace(
-        target=str(target), prompts=str(models_dir / "prompts" / "heldout.jsonl"), random_prompts=False,
-        num_prompts=num_prompts, bs1_prompts=0, max_tokens=max_tokens, max_model_len=512, max_num_seqs=8,
-        gpu_mem=0.3, dtype="bfloat16" if on_gpu else "float32", load_format="auto", hf_overrides=None,
-        additional_config='{"gdn_prefill_backend": "triton"}' if on_gpu and kind == "hybrid" else None,
-        # GDN states in fp32 (the one-slot verification path needs it); eager on the CPU
-        llm_kwargs='{"mamba_ssm_cache_dtype": "float32"}' if kind == "hybrid" else None,
-        enforce_eager=not on_gpu, seed=0,
-    )
+    extra = {"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}  # the one-slot layer's fp32 state
+    if on_gpu and kind == "hybrid":
+        extra["additional_config"] = {"gdn_prefill_backend": "triton"}
+    engine = EngineOptions(model=str(target), dtype="bfloat16" if on_gpu else "float32", max_model_len=512,
+                           max_num_seqs=8, gpu_memory_utilization=0.3 if on_gpu else None,
+                           enforce_eager=not on_gpu, engine_args=extra)
+    prompts = PromptOptions(prompts=models_dir / "prompts" / "heldout.jsonl", num_prompts=num_prompts).load(str(target))
+    settings = CompareSettings(max_tokens=max_tokens, bs1_prompts=min(bs1_prompts, len(prompts)))
     spec = {"method": "hspec", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
-    prompts = load_prompts(args)
-    print(f"vLLM on {'the GPU' if on_gpu else 'the CPU'}: reference {kind} target {target}, H-Spec drafter "
-          f"{drafter}, {len(prompts)} held-out prompts, {max_tokens} greedy tokens each")
-    results = run_all([("plain", None), ("hspec", spec)], args, prompts)
-    print(summary_table(results, len(prompts)))
-    ok = all("error" not in r and r["identical_prompts"] == len(prompts) for r in results)
-    print("  PASS: H-Spec output identical to plain decoding" if ok else "  FAIL")
+    where = "the GPU, with CUDA graphs" if on_gpu else f"the CPU ({os.cpu_count()} cores, eager)"
+    print(f"vLLM on {where}: reference {kind} target {target}, H-Spec drafter {drafter}, {len(prompts)} held-out "
+          f"prompts, {max_tokens} greedy tokens each")
+    plain, hspec = run_all([("plain", None), ("hspec", spec)], engine, settings, prompts)
+    failed = [r for r in (plain, hspec) if "error" in r]
+    if failed:
+        for r in failed:
+            print(f"  FAIL: {r['name']}: {r['error']}")
+        return False
+    same = sum(a == b for a, b in zip(hspec["outputs"], plain["outputs"]))
+    print(speed_table(plain, hspec, len(prompts)))
+    ratio = hspec["batch_tokens_per_s"] / plain["batch_tokens_per_s"]
+    if ratio < 1:
+        print(f"  H-Spec is slower than plain decoding here ({ratio:.2f}x): at an acceptance length of "
+              f"{hspec['mean_acceptance_length']:.2f} tokens per round a round must cost less than "
+              f"{hspec['mean_acceptance_length']:.2f} plain steps to pay, and "
+              + ("on a CPU verifying u tokens costs about u times one token's compute"
+                 if not on_gpu else "this round costs more than that"))
+    ok = same == len(prompts)
+    print(f"  {'PASS' if ok else 'FAIL'}: H-Spec output identical to plain decoding on {same}/{len(prompts)} prompts")
     return ok
+
+
+def speed_table(plain: dict, hspec: dict, num_prompts: int) -> str:
+    """Tokens/s of both runs side by side, with the ratio, and H-Spec's acceptance length."""
+    rows = [("all prompts at once", "batch_tokens_per_s"), ("one prompt at a time", "bs1_tokens_per_s")]
+    lines = [f"  {'':<22} {'plain tok/s':>12} {'H-Spec tok/s':>13} {'ratio':>7}"]
+    for label, key in rows:
+        if plain.get(key) and hspec.get(key):
+            lines.append(f"  {label:<22} {plain[key]:>12.1f} {hspec[key]:>13.1f} {hspec[key] / plain[key]:>6.2f}x")
+    lines.append(f"  acceptance length {hspec['mean_acceptance_length']:.2f} tokens per round "
+                 f"({num_prompts} prompts)")
+    return "\n".join(lines)

@@ -22,7 +22,15 @@ selector is switched between the measurements (``LengthSelector.configure``):
 the gate turns drafting off. ``reference`` (a ``hybridspec replay-record`` continuations file, i.e.
 greedy decoding by a separate engine without speculation) adds each mode's identity with that
 engine's output.
-The command line is ``examples/evaluate_one_engine.py``.
+The command line is ``hybridspec evaluate``, e.g. at the 35B shape with dummy weights and the dummy
+H-Spec drafter of ``hybridspec full-shape``::
+
+    hybridspec evaluate --model out/full-shape/target --load-format dummy --random-prompts --vocab 200000 \
+        --speculative-config '{"method": "hspec", "model": "out/full-shape/hspec", "num_speculative_tokens": 7}' \
+        --engine-args '{"max_model_len": 2048, "mamba_ssm_cache_dtype": "float32",
+                        "additional_config": {"gdn_prefill_backend": "triton"}}' \
+        --records models/hybrid-hspec/records.jsonl.gz --lengths 1,2,3,4,6,8 --batch-sizes 1,4 \
+        --out-dir out/evaluate-35b
 """
 
 from __future__ import annotations
@@ -34,7 +42,17 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
 
+import typer  # noqa: E402
+
 from vllm_hybridspec.tools.compare import identical_prompts  # noqa: E402
+from vllm_hybridspec.tools.engine_args import (  # noqa: E402
+    EngineOptions,
+    PromptOptions,
+    engine_options,
+    int_list,
+    json_object,
+    prompt_options,
+)
 
 MODES = ("plain", "all", "sel", "sel-nogate", "sel-batched")
 
@@ -226,3 +244,42 @@ def summary_markdown(result: dict) -> str:
             lines.append(f"| {mode} | {same} | {acc} | {b} | {s['mean_ms']:.2f} | {s['tokens_per_step']:.2f} | "
                          f"{s['tokens_per_s']:.1f} | {ratio} |")
     return "\n".join(lines)
+
+
+def evaluate_command(
+    engine: EngineOptions,
+    prompts: PromptOptions,
+    speculative_config: str = typer.Option(..., help="the drafter, as --speculative-config JSON"),
+    records: Path = typer.Option(None, help="round records to fit the policy to (hybridspec calibrate capture)"),
+    policy: Path = typer.Option(None, help="a policy file to use as it is (instead of --records)"),
+    lengths: str = typer.Option(None, help="verification lengths to time (the cost file)"),
+    batch_sizes: str = typer.Option("1", help="batch sizes of the step timings"),
+    modes: str = typer.Option(",".join(MODES), help="modes to run"),
+    steps: int = typer.Option(32, min=2),
+    warmup: int = typer.Option(4, min=1),
+    max_tokens: int = typer.Option(64, min=1),
+    min_length: int = typer.Option(1, min=1, max=2, help="shortest length the policy may pick (1 or 2)"),
+    reference: Path = typer.Option(None, help="continuations of a plain engine (hybridspec replay-record) to compare "
+                                   "every mode's greedy output with"),
+    out_dir: Path = typer.Option(..., help="costs.json, policy.json, evaluate.json and summary.md go here"),
+) -> None:
+    """Costs, a fitted policy and decode speed / greedy output with drafting off, every draft verified and
+    selected lengths, all on one engine start."""
+    if records is not None and policy is not None:
+        raise typer.BadParameter("give --records (fit a policy) or --policy (use one), not both")
+    try:
+        result = evaluate(engine.model, json_object(speculative_config, "speculative-config"), engine.llm_kwargs(),
+                          prompts.load(engine.model), out_dir, records=records and str(records),
+                          policy=policy and str(policy), lengths=int_list(lengths, "lengths") if lengths else None,
+                          batch_sizes=int_list(batch_sizes, "batch-sizes"), modes=[m for m in modes.split(",") if m],
+                          steps=steps, warmup=warmup, max_tokens=max_tokens, min_length=min_length,
+                          reference=reference and str(reference), progress=lambda line: typer.echo(line))
+    except ValueError as e:  # bad settings, prompts, records or policy (InputError is a ValueError)
+        typer.echo(f"hybridspec evaluate: error: {e}", err=True)
+        raise typer.Exit(2) from None
+    table = summary_markdown(result)
+    (out_dir / "summary.md").write_text(table + "\n")
+    typer.echo(table)
+
+
+evaluate_command = prompt_options(engine_options(evaluate_command))

@@ -3,7 +3,6 @@ plain decoding, for the ``replay_bench`` proposer (benchmarking only; ``engine/r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -11,6 +10,7 @@ import typer
 from vllm_hybridspec.bench.prompts import load_prompts
 from vllm_hybridspec.engine.replay.data import save_continuations
 from vllm_hybridspec.policy.errors import InputError
+from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options
 
 
 def _fail(message: str, code: int = 1):
@@ -45,7 +45,7 @@ def record_continuations(model: str, prompts: list, max_tokens: int, extra_token
 
 
 def replay_record(
-    model: str = typer.Option(..., help="the target, as the benchmark server loads it"),
+    engine: EngineOptions,
     out: Path = typer.Option(..., "--out", "-o", help="continuations JSONL for the replay_bench proposer"),
     prompts: Path = typer.Option(None, help="JSONL prompts, as for `hybridspec bench`"),
     dataset: str = typer.Option(None, help="a `datasets` name to take prompts from instead"),
@@ -54,31 +54,19 @@ def replay_record(
     output_len: int = typer.Option(256, help="the benchmark's --output-len"),
     num_speculative_tokens: int = typer.Option(15, help="the largest K the replay will propose; recorded past "
                                                         "output-len by this many tokens"),
-    load_format: str = typer.Option("auto", help="'dummy' for random weights (vLLM seeds them per parameter, "
-                                                 "so the server gets the same ones)"),
-    dtype: str = typer.Option("auto"),
-    max_model_len: int = typer.Option(None),
-    tensor_parallel_size: int = typer.Option(1),
-    trust_remote_code: bool = typer.Option(False),
-    engine_args: str = typer.Option("{}", help="more vllm.LLM arguments as a JSON object, e.g. "
-                                               "'{\"enforce_eager\": true}'"),
 ) -> None:
     """For benchmarking only: record the target's greedy continuations of the benchmark prompts (plain
-    decoding, EOS ignored) for the replay_bench proposer (docs/bench.md, "Replayed acceptance")."""
+    decoding, EOS ignored) for the replay_bench proposer (docs/bench.md, "Replayed acceptance"). Use the
+    benchmark server's dtype and model settings (``--load-format dummy``: vLLM seeds random weights per
+    parameter, so the server gets the same ones)."""
     try:
         prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
     except ValueError as e:
         _fail(str(e), 2)
-    kwargs = {"load_format": load_format, "dtype": dtype, "tensor_parallel_size": tensor_parallel_size,
-              "trust_remote_code": trust_remote_code}
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
-    try:
-        more = json.loads(engine_args)
-    except json.JSONDecodeError as e:
-        more = e
-    if not isinstance(more, dict):
-        _fail(f"--engine-args must be a JSON object of vllm.LLM arguments, got {engine_args!r}", 2)
-    kwargs.update(more)
-    n = record_continuations(model, prompt_list, output_len, num_speculative_tokens, out, **kwargs)
+    kwargs = engine.llm_kwargs(skip_tokenizer_init=False)  # text prompts need the tokenizer
+    kwargs.pop("model")
+    n = record_continuations(engine.model, prompt_list, output_len, num_speculative_tokens, out, **kwargs)
     typer.echo(f"recorded {n} greedy continuations of {output_len} + {num_speculative_tokens} tokens to {out}")
+
+
+replay_record = engine_options(replay_record)
