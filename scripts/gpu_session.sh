@@ -27,7 +27,7 @@ set -uo pipefail
 STAGE="$1"
 DEADLINE="${DEADLINE:-570}"
 T0=$SECONDS
-source examples/device_setup.sh
+source scripts/device_setup.sh
 R="/tmp/hs-results/$STAGE"; mkdir -p "$R"
 left() { echo $(( DEADLINE - (SECONDS - T0) - 10 )); }
 run() {  # run NAME CMD...: with the time left, output to $R/NAME.log, the interesting lines on stdout
@@ -69,17 +69,17 @@ print("tiny hybrid written")
 PY
   [ "$STAGE" = smoke-model ] && exit 0
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
-  run identity python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
+  run identity python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
     --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
-    --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+    --engine-args "$ENG" \
     --config plain=none --config ngram_one_slot="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/identity.json"
   ;;
 bisect)
   [ -d /tmp/tiny-hybrid ] || bash scripts/gpu_session.sh smoke-model
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
-  run bisect python3 examples/vllm_compare.py --target /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
+  run bisect python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
     --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
-    --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+    --engine-args "$ENG" \
     --config plain=none \
     --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" \
     --config eager="{$NG, \"engine\": {\"enforce_eager\": true}, \"hybridspec\": {\"gdn_kernel\": true}}" \
@@ -115,9 +115,9 @@ slice|full35)
 ref32)
   for kind in hybrid dense; do
     HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
-    run "identity-$kind" python3 examples/vllm_compare.py --target models/$kind --prompts models/prompts/heldout.jsonl \
+    run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \
       --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
-      --additional-config '{"gdn_prefill_backend": "triton"}' --llm-kwargs '{"mamba_ssm_cache_dtype": "float32"}' \
+      --engine-args "$ENG" \
       --config plain=none --config hspec_all="{$HH, \"hybridspec\": {\"fixed_length\": 8}}" \
       --config hspec_sel="{$HH, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
       --out "$R/identity-$kind.json"

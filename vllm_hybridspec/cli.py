@@ -7,9 +7,13 @@ import typer
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
+from vllm_hybridspec.tools.checks import check_app
 from vllm_hybridspec.tools.compare import compare
+from vllm_hybridspec.tools.compare_report import compare_report
 from vllm_hybridspec.tools.evaluate import evaluate_command
 from vllm_hybridspec.tools.full_shape import full_shape
+from vllm_hybridspec.tools.plots import plot_rounds
+from vllm_hybridspec.tools.profile import profile_command
 from vllm_hybridspec.tools.replay_record import replay_record
 from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_command
 from vllm_hybridspec.train.cli import train
@@ -20,6 +24,7 @@ app = typer.Typer(
     help="vllm-hybridspec: fast, exact speculative decoding for hybrid GDN-MoE models in vLLM.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # usage errors as one plain line ("Error: Invalid value: ..."), not a wrapped panel
 )
 
 
@@ -52,6 +57,10 @@ def demo(
 
 app.add_typer(calibrate_app, name="calibrate")
 app.command("compare")(compare)
+app.command("compare-report")(compare_report)
+app.add_typer(check_app, name="check")
+app.command("profile")(profile_command)
+app.command("plot-rounds")(plot_rounds)
 app.command("evaluate")(evaluate_command)
 app.command("spec-steps")(spec_steps)
 app.command("spec-steps-table")(spec_steps_table_command)

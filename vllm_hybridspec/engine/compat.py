@@ -131,6 +131,12 @@ def in_process_drafter(llm):
     return getattr(in_process_runner(llm), "drafter", None)
 
 
+def length_selector(llm):
+    """The length selector of an in-process engine's proposer (``LengthSelector``; ``None`` when the
+    proposer is one of vLLM's own, e.g. ngram), for measurements that switch its settings."""
+    return getattr(in_process_drafter(llm), "length_selector", None)
+
+
 def worker_runner(worker):
     """The model runner inside a worker process (``Worker.model_runner``), for methods that a
     ``--worker-extension-cls`` adds to vLLM's ``Worker`` (``engine/length/control.py``)."""

@@ -182,3 +182,12 @@ def simulate_command(
             raise fail(e) from None
         if not as_json:
             typer.echo(f"wrote {plot}")
+
+
+def _register_time_selector() -> None:
+    from .timing import time_selector
+
+    calibrate_app.command("time-selector")(time_selector)
+
+
+_register_time_selector()

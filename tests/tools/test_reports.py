@@ -1,0 +1,114 @@
+"""The report commands on result files: ``compare-report`` counts identical prompts and finds the
+first divergence, ``plot-rounds`` draws an evaluate result, ``calibrate time-selector`` times a round
+and picks lengths in range; bad files are refused in one line naming them."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from vllm_hybridspec.cli import app
+from vllm_hybridspec.tools.compare_report import first_divergence
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def compare_result(rng: random.Random, n: int, planted: dict[int, int]) -> tuple[dict, dict]:
+    """A plain and a speculative result over ``n`` random outputs, the latter differing from position
+    ``planted[p]`` on in prompt ``p``; the plain run records top-2 gaps."""
+    outputs = [[rng.randrange(1000) for _ in range(rng.randrange(8, 20))] for _ in range(n)]
+    gaps = [[rng.random() for _ in row] for row in outputs]
+    spec = [list(row) for row in outputs]
+    for p, at in planted.items():
+        spec[p][at] = (spec[p][at] + 1) % 1000
+    base = {"kv_capacity_tokens": 4096, "engine_start_s": 3.0}
+    plain = {**base, "name": "plain", "outputs": outputs, "top2_gaps": gaps, "mean_acceptance_length": None,
+             "round_ms": {"b1": {"batch": 1, "length": None, "mean_ms": 10.0, "median_ms": 9.5,
+                                 "tokens_per_step": 1.0, "steps": 32}}}
+    hspec = {**base, "name": "hspec", "outputs": spec, "mean_acceptance_length": 2.5,
+             "round_ms": {"b1w4": {"batch": 1, "length": 4, "mean_ms": 12.5, "median_ms": 12.0,
+                                   "tokens_per_step": 2.5, "steps": 32}}}
+    return plain, hspec
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([5], [6]) == 0
+
+
+def test_compare_report_counts_planted_differences(tmp_path):
+    rng = random.Random()
+    n = rng.randrange(6, 12)
+    planted = {p: rng.randrange(0, 8) for p in rng.sample(range(n), 2)}
+    plain, hspec = compare_result(rng, n, planted)
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps({"results": [plain, hspec]}))
+    result = runner.invoke(app, ["compare-report", str(path)])
+    assert result.exit_code == 0, result.output
+    identity = result.output.split("\n\n")[0]
+    rows = {line.split("|")[1].strip(): line for line in identity.splitlines() if line.startswith("| ")}
+    assert f"| {n}/{n} |" in rows["plain"]
+    assert f"| {n - 2}/{n} |" in rows["hspec"]
+    # the gaps are the reference's where each planted difference starts, in prompt order
+    expected = ", ".join(f"{plain['top2_gaps'][p][planted[p]]:.4g}" for p in sorted(planted))
+    assert expected in rows["hspec"]
+    # the sweep: tokens/s = tokens per step / ms per step
+    sweep = [line for line in result.output.splitlines() if line.startswith("| hspec | 1 | 4 |")]
+    assert len(sweep) == 1 and "| 200 |" in sweep[0]
+    assert re.search(r"\| plain \| 1 \| plain \| 10\.00 \| 9\.50 \| 1\.00 \| 100 \| 32 \|", result.output)
+
+
+def test_compare_report_refuses_a_file_that_is_not_a_result(tmp_path):
+    bad = tmp_path / "costs.json"
+    bad.write_text(json.dumps({"round_ms": {}}))
+    result = runner.invoke(app, ["compare-report", str(bad)])
+    assert result.exit_code == 2
+    assert str(bad) in result.output and "not a hybridspec compare result" in result.output
+
+
+def test_compare_report_reads_a_stored_h200_result():
+    path = ROOT / "docs/benchmarks/h200-2026-12-01/compare-hybrid-float32.json"
+    result = runner.invoke(app, ["compare-report", str(path)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\| plain \| (\d+)/\1 \|", result.output)
+
+
+def test_plot_rounds_draws_an_evaluate_result(tmp_path):
+    out = tmp_path / "rounds.png"
+    evaluate = ROOT / "docs/benchmarks/h200-2026-12-01/eval-35b/evaluate.json"
+    compare = ROOT / "docs/benchmarks/h200-2026-12-01/compare-35b-vllm-gdn.json"
+    result = runner.invoke(app, ["plot-rounds", str(evaluate), "--compare", str(compare), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_rounds_refuses_a_compare_file_as_evaluate(tmp_path):
+    compare = ROOT / "docs/benchmarks/h200-2026-12-01/compare-35b-vllm-gdn.json"
+    result = runner.invoke(app, ["plot-rounds", str(compare), "--out", str(tmp_path / "x.png")])
+    assert result.exit_code == 2 and "not a hybridspec evaluate result" in result.output
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_time_selector_on_the_cpu_picks_lengths_in_range():
+    policy = ROOT / "examples/policy_synth.json"
+    result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--batch", "32",
+                                 "--samples", "3", "--replays", "2", "--routing", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "CPU" in result.output and "not the GPU figure" in result.output
+    us = float(re.search(r"median ([\d.]+) us per round", result.output).group(1))
+    assert us > 0
+    lo, hi = map(int, re.search(r"min (\d+), max (\d+)", result.output).groups())
+    assert 1 <= lo <= hi <= 16
+
+
+def test_time_selector_refuses_a_policy_of_another_draft_length():
+    policy = ROOT / "examples/policy_synth.json"
+    result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--draft-len", "7",
+                                 "--device", "cpu"])
+    assert result.exit_code == 2 and "draft_len 15, not --draft-len 7" in result.output

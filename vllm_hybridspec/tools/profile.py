@@ -1,0 +1,128 @@
+"""``hybridspec profile``: where a decode step's time goes. A ``torch.profiler`` trace of a few
+``LLMEngine.step`` calls of one in-process engine (CPU activity, plus CUDA activity on a GPU),
+summarised by operator.
+
+    hybridspec profile --model /tmp/full-shape/target --load-format dummy --vocab 248000 \\
+        --speculative-config '{"method": "hspec", "model": "/tmp/full-shape/hspec", "num_speculative_tokens": 7,
+                               "hybridspec": {"fixed_length": 8}}' --lengths 1,8 \\
+        --engine-args '{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}' \\
+        --out /tmp/profile
+
+Writes, per profiled length ``w`` (under ``<out>/w<w>/`` with ``--lengths``, else ``<out>/``),
+``ops.txt`` (operators by self time, CPU and CUDA), ``summary.json`` (step times, GPU busy time,
+kernel launches and aten operators per step, the host time of the top operators, the runner's named
+phases) and, with ``--trace``, a Chrome trace. Without ``--speculative-config`` it profiles plain
+decoding, for the side-by-side. Async scheduling is off, so that a step's host and device work are
+the step's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options, int_list, json_object
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
+
+
+def summarize(averages, steps: int) -> dict:
+    """Per-step figures from a profiler's ``key_averages()``: GPU busy time (the kernels' own time),
+    kernel launches, aten operators, the top operators by host (self CPU) time and vLLM's named
+    phases (its ``record_function`` ranges)."""
+    phases = {e.key: round(e.cpu_time_total / 1e3 / steps, 3) for e in averages
+              if e.key.startswith(("gpu_model_runner:", "execute_", "propose", "sample", "_")) and e.cpu_time_total > 0}
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in averages if e.device_type.name == "CUDA")
+    top_host = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps) for e in averages), key=lambda kv: -kv[1])
+    return {"gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+            "kernel_launches_per_step": sum(e.count for e in averages if e.key in LAUNCH_CALLS) / steps,
+            "aten_ops_per_step": sum(e.count for e in averages if e.key.startswith("aten::")) / steps,
+            "host_ms_per_step_top": {k: round(v, 3) for k, v in top_host[:15]},
+            "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
+
+
+def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool) -> dict:
+    """``warmup`` untimed steps, then ``steps`` profiled ones; writes ``ops.txt``, ``summary.json``
+    (and ``trace.json``) under ``out`` and returns the summary."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        engine.step()
+    step_ms = []
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    out.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=60)]
+    if cuda:
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
+    (out / "ops.txt").write_text("\n\n".join(tables) + "\n")
+    summary = {"step_ms": step_ms, "mean_step_ms": sum(step_ms) / len(step_ms), **summarize(averages, steps)}
+    if trace:
+        prof.export_chrome_trace(str(out / "trace.json"))
+    return summary
+
+
+def profile_command(
+    engine: EngineOptions,
+    speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON (none: plain "
+                                           "decoding)"),
+    batch: int = typer.Option(1, min=1, help="requests decoding together"),
+    prompt_len: int = typer.Option(96, min=1, help="random prompt length"),
+    vocab: int = typer.Option(1000, min=2, help="random prompt token-id range"),
+    lengths: str = typer.Option(None, help="verification lengths w to profile one after another on the same engine "
+                                "(needs \"hybridspec\": {\"fixed_length\": ...} in the speculative config)"),
+    warmup: int = typer.Option(8, min=1, help="untimed steps before each profile"),
+    steps: int = typer.Option(6, min=1, help="profiled steps"),
+    trace: bool = typer.Option(False, help="also write a Chrome trace (large)"),
+    out: Path = typer.Option(..., help="result directory"),
+) -> None:
+    """A torch.profiler summary of a few decode steps of one engine, per verification length."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from vllm_hybridspec.engine.compat import length_selector
+
+    spec = json_object(speculative_config, "speculative-config") or None
+    ws = int_list(lengths, "lengths") if lengths else [None]
+    t0 = time.perf_counter()
+    llm = LLM(**engine.llm_kwargs(speculative_config=spec, async_scheduling=False,
+                                  max_num_seqs=max(batch, engine.max_num_seqs or 1)))
+    start_s = round(time.perf_counter() - t0, 1)
+    selector = None
+    if ws != [None]:
+        selector = length_selector(llm)
+        if selector is None or selector.options.fixed_length is None:
+            raise typer.BadParameter('--lengths needs "hybridspec": {"fixed_length": ...} in --speculative-config')
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=len(ws) * (warmup + steps + 4) * 16, ignore_eos=True)
+    for i in range(batch):
+        llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, vocab, (prompt_len,),
+                                                                                generator=gen).tolist()}, params)
+    for w in ws:
+        if selector is not None:
+            selector.configure(fixed_length=w)
+        summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace)
+        summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s)
+        ((out / f"w{w}") if w is not None else out).joinpath("summary.json").write_text(json.dumps(summary, indent=1))
+        typer.echo(json.dumps({"w": w, **{k: summary[k] for k in ("mean_step_ms", "gpu_busy_ms_per_step",
+                                                                 "kernel_launches_per_step", "aten_ops_per_step",
+                                                                 "engine_start_s")}}))
+
+
+profile_command = engine_options(profile_command)
