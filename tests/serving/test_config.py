@@ -4,7 +4,11 @@ name the bad value (in the main process, before any worker starts: nothing hangs
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -84,7 +88,7 @@ def test_kv_reuse_layer_that_is_not_full_attention(target_dir, hspec_dir, tmp_pa
 
 
 def test_too_many_speculative_tokens(target_dir, hspec_dir):
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=9 .* at most 7"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=9 is not valid .* use an integer in 1\.\.7"):
         make_llm(target_dir, {"method": "hspec", "model": str(hspec_dir), "num_speculative_tokens": 9})
 
 
@@ -101,3 +105,32 @@ def test_kv_reuse_of_a_gated_deltanet_layer_of_a_hybrid_target(hspec_dir, tmp_pa
         resolve_speculative_config({"method": "hspec", "model": str(tmp_path / "bad")}, target)
     resolved, extra = resolve_speculative_config({"method": "hspec", "model": str(good)}, target)
     assert resolved["method"] == "dflash" and resolved["num_speculative_tokens"] == 7 and extra == {}
+
+
+def test_truncated_drafter_weights_fail_engine_start_with_one_line(tmp_path):
+    """The whole user path, with vLLM's engine-core process as a user gets it: ``LLM(...)`` on the
+    reference drafter with a truncated ``model.safetensors`` ends with one ``ValueError`` line and one
+    traceback (the main process's); no engine core or worker starts, so none dies with its own."""
+    root = Path(__file__).resolve().parents[2]
+    models = root / "models"
+    drafter = Path(shutil.copytree(models / "dense-hspec", tmp_path / "drafter"))
+    weights = drafter / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    script = (
+        "from vllm import LLM\n"
+        f"LLM(model={str(models / 'dense')!r}, skip_tokenizer_init=True, enforce_eager=True, dtype='float32', "
+        f"max_model_len=256, speculative_config={{'method': 'hspec', 'model': {str(drafter)!r}}})\n"
+    )
+    # this checkout's plugin (vLLM loads it by entry point, which may name another checkout's copy)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_TARGET_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=110, check=False)
+    assert run.returncode == 1
+    assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr[-4000:]
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        f"ValueError: drafter weights {weights} are damaged: its header describes {size} bytes but the file has "
+        f"{size // 2} (the file is truncated); re-save or re-download the checkpoint"
+    )
+    assert "EngineCore" not in run.stderr + run.stdout

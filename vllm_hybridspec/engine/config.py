@@ -9,9 +9,10 @@ names the bad value, never a hung or crashed worker.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
 from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
@@ -22,16 +23,18 @@ from vllm_hybridspec.engine.compat import (
     vllm_speculative_methods,
     wrap_once,
 )
-from vllm_hybridspec.engine.options import ADDITIONAL_CONFIG_KEY, parse_options
+from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
+from vllm_hybridspec.engine.options import ADDITIONAL_CONFIG_KEY, parse_options, validation_problems
 from vllm_hybridspec.engine.replay.config import REPLAY_METHOD, resolve_replay_speculative_config
 
 
 def read_speculators_config(model: str) -> dict[str, Any] | None:
-    """``config.json`` of a local directory or hub id, or ``None`` when there is none."""
+    """``config.json`` of a local directory or hub id, or ``None`` when there is none; a local one that
+    is not a JSON object is a ``ValueError`` naming it."""
     path = Path(model)
     if path.is_dir():
         file = path / "config.json"
-        return json.loads(file.read_text()) if file.exists() else None
+        return read_config_json(file) if file.exists() else None
     if path.exists() or model.startswith((".", "/")):
         return None
     try:
@@ -47,29 +50,32 @@ def is_hspec_checkpoint(config_dict: dict[str, Any] | None) -> bool:
     return bool(config_dict) and config_dict.get("speculators_model_type") == HSPEC_METHOD
 
 
-def resolve_speculative_config(spec: dict[str, Any], target_model_config) -> tuple[dict[str, Any], dict[str, Any]]:
+def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_format: str = "auto",
+                               ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Translate a user's speculative config into ``(spec for vLLM, additional_config entries)``.
 
     The ``"hybridspec"`` sub-dict (``options.HybridSpecOptions``) is popped and validated, and travels to
-    the workers as ``additional_config["hybridspec"]``."""
+    the workers as ``additional_config["hybridspec"]``. ``load_format`` is the engine's (vLLM loads
+    the drafter with it): it says which weight files of a local H-Spec checkpoint are checked."""
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
     extra: dict[str, Any] = {}
     if spec.get("method") == REPLAY_METHOD:  # benchmarking only (engine/replay/)
         spec, extra = resolve_replay_speculative_config(spec, target_model_config)
     else:
-        spec = _resolve_method(spec, target_model_config)
+        spec = _resolve_method(spec, target_model_config, load_format)
     if raw_options is None:
         return spec, extra
     k = spec.get("num_speculative_tokens")
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
     return spec, {**extra, ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
 
 
-def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]:
+def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str) -> dict[str, Any]:
     """Anything not H-Spec passes through unchanged (an unknown method is reported with the valid
-    ones, "hspec" included); an H-Spec one is validated against the target and returned as vLLM's
+    ones, "hspec" included); an H-Spec one is validated (its config against the target, the weight
+    files of a local checkpoint, ``num_speculative_tokens`` against its block) and returned as vLLM's
     ``"dflash"`` method with the H-Spec checkpoint as its model."""
     method, model = spec.get("method"), spec.get("model")
     checkpoint = read_speculators_config(model) if isinstance(model, str) and method in (
@@ -99,17 +105,34 @@ def _resolve_method(spec: dict[str, Any], target_model_config) -> dict[str, Any]
             f"{model!r} is not an H-Spec checkpoint: its config.json has speculators_model_type="
             f"{checkpoint.get('speculators_model_type')!r}, expected {HSPEC_METHOD!r}"
         )
-    hspec = HSpecSpeculatorConfig.model_validate(copy.deepcopy(checkpoint))
+    try:
+        hspec = HSpecSpeculatorConfig.model_validate(copy.deepcopy(checkpoint))
+    except ValidationError as e:
+        problems = validation_problems(e, checkpoint, HSpecSpeculatorConfig)
+        raise ValueError(f"H-Spec drafter {model!r} has an invalid config.json: {problems}") from None
     check_against_target(hspec, target_model_config.hf_config, model)
-
-    max_tokens = hspec.num_draft_tokens
-    k = spec.get("num_speculative_tokens") or max_tokens
-    if not 1 <= k <= max_tokens:
-        raise ValueError(
-            f"num_speculative_tokens={k} but the H-Spec drafter {model!r} drafts blocks of "
-            f"block_size={hspec.block_size}, i.e. at most {max_tokens} tokens; use 1..{max_tokens}"
-        )
+    k = num_speculative_tokens(spec.get("num_speculative_tokens"), hspec, model)
+    draft_load = spec.get("draft_load_config")  # a LoadConfig (or its dict) vLLM loads the drafter with
+    if draft_load is not None:
+        load_format = draft_load.get("load_format", "auto") if isinstance(draft_load, dict) else draft_load.load_format
+    if Path(model).is_dir():  # a hub id's files are vLLM's to download
+        check_weight_files(Path(model), load_format)
     return {**spec, "method": "dflash", "model": model, "num_speculative_tokens": k}
+
+
+def num_speculative_tokens(k: Any, hspec: HSpecSpeculatorConfig, name: str) -> int:
+    """The drafts per round: ``k`` when an integer in ``1..block_size - 1`` (vLLM's ``gt=0`` field, and
+    no more than the drafter's block holds), the full block when absent (``None``). A bool, float or
+    string is refused rather than coerced: ``0`` or ``"7"`` is a typo, and a silent 7 would hide it."""
+    max_tokens = hspec.num_draft_tokens
+    if k is None:
+        return max_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_tokens:
+        raise ValueError(
+            f"num_speculative_tokens={k!r} is not valid for the H-Spec drafter {name!r} (block_size="
+            f"{hspec.block_size}): use an integer in 1..{max_tokens}, or leave it out to draft all {max_tokens}"
+        )
+    return k
 
 
 def check_against_target(hspec: HSpecSpeculatorConfig, target_hf_config, name: str) -> None:
@@ -169,6 +192,12 @@ def is_hspec_speculative_config(speculative_config) -> bool:
 
 
 def patch_create_speculative_config(resolve) -> None:
+    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` to call
+    ``resolve(spec_dict, target_model_config)`` first (see :func:`_wrap_create_speculative_config`)."""
+    _wrap_create_speculative_config(lambda engine_args, spec, target: resolve(spec, target))
+
+
+def _wrap_create_speculative_config(resolve) -> None:
     """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
 
     Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
@@ -176,16 +205,16 @@ def patch_create_speculative_config(resolve) -> None:
     the dict becomes a ``SpeculativeConfig``. This is the one place both ``vllm serve
     --speculative-config`` and ``LLM(speculative_config=...)`` (and the speculators-checkpoint-as-model
     path, ``maybe_override_with_speculators``) go through, in the main process, before any worker
-    starts, so the validation errors raised by ``resolve(spec_dict, target_model_config)`` reach the
-    user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``; ``extra``
-    is merged into ``EngineArgs.additional_config``, which reaches every worker as
+    starts, so the validation errors raised by ``resolve(engine_args, spec_dict, target_model_config)``
+    reach the user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``;
+    ``extra`` is merged into ``EngineArgs.additional_config``, which reaches every worker as
     ``VllmConfig.additional_config``."""
     from vllm.engine.arg_utils import EngineArgs
 
     def make(original):
         def create_speculative_config(self, target_model_config, target_parallel_config):
             if self.speculative_config is not None:
-                self.speculative_config, extra = resolve(dict(self.speculative_config), target_model_config)
+                self.speculative_config, extra = resolve(self, dict(self.speculative_config), target_model_config)
                 if extra:
                     # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
                     self.additional_config = {**(self.additional_config or {}), **extra}
@@ -197,4 +226,6 @@ def patch_create_speculative_config(resolve) -> None:
 
 
 def install() -> None:
-    patch_create_speculative_config(resolve_speculative_config)
+    # vLLM loads the drafter with the engine's load format, which says which weight files it reads
+    _wrap_create_speculative_config(
+        lambda engine_args, spec, target: resolve_speculative_config(spec, target, engine_args.load_format))

@@ -87,20 +87,44 @@ class HybridSpecOptions(BaseModel):
 
 
 def parse_options(raw: Any, num_speculative_tokens: int) -> HybridSpecOptions:
-    """Validate the user's ``"hybridspec"`` value; errors name the bad key and value."""
+    """Validate the user's ``"hybridspec"`` value; errors name the bad key and value.
+
+    Strict: JSON gives every value its type, so ``"true"`` for a bool or ``"3"`` for a number is a typo
+    to report, not a value to coerce."""
     if not isinstance(raw, dict):
         raise ValueError(f'"hybridspec" in --speculative-config must be a JSON object, got {raw!r}')
     try:
-        options = HybridSpecOptions.model_validate(raw)
+        options = HybridSpecOptions.model_validate(raw, strict=True)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'hybridspec'}: {err['msg']}"
-            + (f" (got {err['input']!r})" if err.get("loc") else "")
-            for err in e.errors()
-        )
-        raise ValueError(f'invalid "hybridspec" options: {problems}') from None
+        raise ValueError(f'invalid "hybridspec" options: {validation_problems(e, raw, HybridSpecOptions)}') from None
     options.check(num_speculative_tokens)
     return options
+
+
+def validation_problems(error: ValidationError, raw: dict, model: type[BaseModel]) -> str:
+    """pydantic's multi-line ``error`` as one line: per top-level key of ``raw``, what would be valid
+    (a union's members joined by "or") and the value given; an unknown key with ``model``'s keys."""
+    by_key: dict[str, list[str]] = {}
+    for err in error.errors(include_url=False):
+        msg = err["msg"].removeprefix("Value error, ")
+        key = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key, valid keys are {', '.join(model.model_fields)}"
+        items = [i for i in err["loc"][1:] if isinstance(i, int)]  # inside a list
+        msg += f" at item {items[-1]}" if items else ""
+        if msg not in by_key.setdefault(key, []):
+            by_key[key].append(msg)
+    return "; ".join(f"{key}: {_either(msgs)} (got {raw.get(key)!r})" if key else _either(msgs)
+                     for key, msgs in by_key.items())
+
+
+def _either(msgs: list[str]) -> str:
+    """``["Input should be a valid boolean", "Input should be a valid list"]`` as "Input should be a
+    valid boolean or a valid list"."""
+    head = "Input should be "
+    if len(msgs) > 1 and all(m.startswith(head) for m in msgs):
+        return head + " or ".join(m.removeprefix(head) for m in msgs)
+    return " or ".join(msgs)
 
 
 def hybridspec_options(vllm_config) -> HybridSpecOptions | None:
