@@ -103,7 +103,7 @@ def test_paged_kv_views_read_what_the_cpu_backend_writes():
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_hybridspec.engine.drafting.model import paged_kv_views
+    from vllm_hybridspec.engine.drafting.kv_cache import paged_kv_views
 
     gen = torch.Generator().manual_seed(0)
     checked = 0
@@ -274,7 +274,7 @@ def test_tp_all_gather_is_vllms_tensor_parallel_all_gather():
 
     from vllm import distributed
 
-    from vllm_hybridspec.engine.drafting.model import tp_all_gather
+    from vllm_hybridspec.engine.drafting.kv_cache import tp_all_gather
 
     fn = distributed.tensor_model_parallel_all_gather
     assert list(inspect.signature(fn).parameters) == ["input_", "dim"]

@@ -114,7 +114,7 @@ def test_all_kv_heads_restores_the_targets_heads_from_the_ranks_shards(monkeypat
     """vLLM's KV-head sharding: ``total >= tp``: rank r caches heads [r*total/tp, (r+1)*total/tp); fewer
     heads than ranks: rank r caches head r * total // tp (replicated). The all-gather (faked here as
     the concatenation of every rank's shard, in rank order) must give the heads in order, once each."""
-    from vllm_hybridspec.engine.drafting import model as hspec
+    from vllm_hybridspec.engine.drafting import kv_cache as hspec
 
     gen = torch.Generator().manual_seed(total * 10 + tp)
     full = torch.randn(3, total, 5, 8, generator=gen)  # [N, heads, T, D], fresh per case
@@ -154,7 +154,7 @@ def test_masked_prefix_slots_cannot_poison_a_round_and_graphs_keep_the_arange_th
 
 
 def test_kv_head_layouts_the_drafter_cannot_read_are_refused():
-    from vllm_hybridspec.engine.drafting.model import kv_heads_recoverable
+    from vllm_hybridspec.engine.drafting.kv_cache import kv_heads_recoverable
 
     assert not kv_heads_recoverable(2, 2, 3)  # 2 per rank on 2 ranks is not 3 heads
     assert not kv_heads_recoverable(1, 4, 3)  # 3 heads cannot be replicated evenly on 4 ranks

@@ -22,7 +22,7 @@ from vllm_hybridspec.drafter.attention import request_block_mask
 from vllm_hybridspec.engine.drafting.model import HSpecForVLLM
 from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.engine.length.selector import LengthSelector
-from vllm_hybridspec.engine.drafting.model import paged_kv_views
+from vllm_hybridspec.engine.drafting.kv_cache import paged_kv_views
 
 from ..tiny_models import MASK, tiny_qwen3_config
 

@@ -19,7 +19,6 @@ blocks sampled from a packed sequence, DSpark's loss and metrics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -32,91 +31,14 @@ from speculators.models.utils import GEMMA_STYLE_FINAL_NORM_MODEL_TYPES
 from torch import nn
 from transformers import initialization as init
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
-from vllm_hybridspec.drafter.attention import (
-    RotaryEmbedding,
-    TargetKVAttention,
-    anchored_block_mask,
-    request_block_mask,
-)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from vllm_hybridspec.drafter.attention import RotaryEmbedding, anchored_block_mask, request_block_mask
 from vllm_hybridspec.drafter.config import HSpecSpeculatorConfig
+from vllm_hybridspec.drafter.layers import DraftBlock, HSpecLayer, StateInjection
 from vllm_hybridspec.drafter.mamba2 import Mamba2Mixer
 
 # Final norms computing ``x * (1 + w)``: speculators' list plus Qwen3-Next, whose Qwen3NextRMSNorm does too.
 ZERO_CENTERED_FINAL_NORM_MODEL_TYPES = GEMMA_STYLE_FINAL_NORM_MODEL_TYPES | {"qwen3_next"}
-
-
-@dataclass
-class DraftBlock:
-    """One drafted block per request; ``K = block_size - 1`` draft positions."""
-
-    tokens: torch.Tensor  # [N, K] long, target-vocabulary ids
-    top1_prob: torch.Tensor  # [N, K] fp32, probability of the drafted token
-    entropy: torch.Tensor  # [N, K] fp32, entropy (nats) of the draft distribution
-
-
-class StateInjection(nn.Module):
-    """``S_init = Proj_dS(Proj_r(concat_m h_n^(m)))`` (section 3.3.1), with an RMSNorm after the
-    rank-r projection because the selected layers' hidden states differ widely in scale."""
-
-    def __init__(self, in_features: int, rank: int, state_shape: tuple[int, int, int], eps: float):
-        super().__init__()
-        self.state_shape = state_shape
-        self.proj_r = nn.Linear(in_features, rank, bias=False)
-        self.norm = Qwen3RMSNorm(rank, eps=eps)
-        self.proj_state = nn.Linear(rank, state_shape[0] * state_shape[1] * state_shape[2], bias=False)
-
-    def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """``last_hidden``: ``[N, n_selected * hidden]`` -> ``[N, heads, head_dim, d_state]`` fp32."""
-        state = self.proj_state(self.norm(self.proj_r(last_hidden.to(self.proj_r.weight.dtype))))
-        return state.float().view(-1, *self.state_shape)
-
-
-class HSpecLayer(nn.Module):
-    """Mamba-2 -> attention (optional) -> MLP, each pre-normed with a residual."""
-
-    def __init__(self, config: HSpecSpeculatorConfig, with_attention: bool):
-        super().__init__()
-        tl = config.transformer_layer_config
-        g = config.attention_geometry
-        self.mamba_norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps)
-        self.mamba = Mamba2Mixer(
-            tl.hidden_size,
-            config.mamba_heads,
-            config.mamba_head_dim,
-            config.mamba_d_state,
-            config.mamba_n_groups,
-            config.mamba_d_conv,
-            config.mamba_chunk_size,
-        )
-        self.attn_norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps) if with_attention else None
-        self.self_attn = (
-            TargetKVAttention(
-                tl.hidden_size, g.num_attention_heads, g.num_key_value_heads, g.head_dim, tl.rms_norm_eps
-            )
-            if with_attention
-            else None
-        )
-        self.mlp_norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps)
-        self.mlp = Qwen3MLP(tl)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        initial_state: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``hidden``: ``[N, L, hidden]``; ``cos``/``sin`` and ``mask`` in the attention layout
-        (``[N, L, .]`` per request, or ``[1, N * L, .]`` packed, see ``attention.py``)."""
-        N, L, d = hidden.shape
-        hidden = hidden + self.mamba(self.mamba_norm(hidden), initial_state)
-        if self.self_attn is not None:
-            x = self.attn_norm(hidden).reshape(cos.shape[0], -1, d)
-            hidden = hidden + self.self_attn(x, cos, sin, *prefix_kv, mask).reshape(N, L, d)
-        return hidden + self.mlp(self.mlp_norm(hidden))
 
 
 @SpeculatorModel.register("hspec")

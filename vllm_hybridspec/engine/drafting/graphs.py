@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.drafter.layers import DraftBlock
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.drafter.layers import DraftBlock
 from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.config import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled

@@ -58,7 +58,7 @@ def gdn_gating(
 
 def _prepare(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
     u, HK, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
+    HV = v.shape[1]
     if HV % HK != 0:
         raise ValueError(f"value heads ({HV}) must be a multiple of key heads ({HK})")
     dtype = torch.float64 if initial_state.dtype == torch.float64 else torch.float32

@@ -277,7 +277,6 @@ def heldout_responses(spec, kind: str, target, tokenizer) -> tuple[list[list[int
 def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> Path:
     """``<out_dir>/<kind>-<drafter>/eval.json`` and ``records.jsonl.gz`` on the held-out prompts."""
     import speculators
-    from transformers import AutoTokenizer
 
     import vllm_hybridspec.drafter  # noqa: F401  (registers hspec)
     from vllm_hybridspec.policy.records import load_records, save_records
