@@ -1,4 +1,4 @@
-"""`hybridspec calibrate capture`: round records written from inside vLLM (issue 6, deliverable 3).
+"""`hybridspec calibrate capture`: round records written from inside vLLM.
 
 The reference dense target with its trained H-Spec and DFlash drafters (models/, committed) runs on
 the CPU engine verifying every draft token; the records must account for exactly the rounds and

@@ -43,7 +43,7 @@ def batched_rate(p: torch.Tensor, batch: int, candidates: list[int], curve: list
 
 
 def speculation_pays(rate_b: float, batch: int, plain_ms: float) -> bool:
-    """The batch gate (issue 6, deliverable 4): speculate at batch size ``batch`` only when the
+    """The batch gate: speculate at batch size ``batch`` only when the
     batched selector's pooled rate ``rho_B`` (tokens per ms) beats plain decoding's
     ``batch / plain_ms``."""
     return rate_b > batch / plain_ms

@@ -26,7 +26,7 @@ Version 1 (``hybridspec calibrate fit`` writes it; times in milliseconds, length
       "fit": {...}                                      # provenance, free-form
     }
 
-``gate`` (optional, files without it load and never gate) is the batch gate of issue 6: for a step
+``gate`` (optional, files without it load and never gate) is the batch gate: for a step
 with ``B`` requests the entry of the largest calibrated batch size ``<= B`` says whether to draft at
 all; below the smallest calibrated size drafting stays on.
 

@@ -4,27 +4,30 @@ turns them into a policy file (``vllm_hybridspec.policy``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
 
 from vllm_hybridspec.policy.cli import calibrate_app, fail
 from vllm_hybridspec.policy.errors import InputError
-from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, json_object
+from vllm_hybridspec.tools.engine_args import (
+    EngineOptions,
+    PromptOptions,
+    engine_options,
+    json_object,
+    prompt_options,
+)
 
 
 def capture(
     engine: EngineOptions,
+    prompts: PromptOptions,
     speculative_config: str = typer.Option(..., help="the drafter, as --speculative-config JSON (method, model, "
                                            "num_speculative_tokens = D)"),
     out: Path = typer.Option(..., help="round records to write (JSONL, docs/policy.md)"),
-    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
-                                        "tokenizer); default random token ids"),
-    num_prompts: int = typer.Option(64, min=1, help="calibration prompts"),
     output_len: int = typer.Option(256, min=1, help="tokens generated per prompt (EOS ignored)"),
     temperature: float = typer.Option(0.0, min=0.0, help="sampling temperature of the calibration run"),
-    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
-    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
 ) -> None:
     """Run target + drafter through vLLM verifying every draft token and write the round records
     (confidences, entropies, accepted counts) that `calibrate fit --records` reads."""
@@ -37,7 +40,7 @@ def capture(
         if options.get(key):
             raise fail(ValueError(f'--speculative-config: "hybridspec.{key}" = {options[key]!r}; a capture run '
                                   "verifies every draft token"))
-    token_prompts = _calibration_prompts(engine.model, prompts, num_prompts, prompt_len, vocab)
+    token_prompts = _calibration_prompts(engine.model, prompts)
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "hybridspec": {**options, "capture": str(out)}}
@@ -78,12 +81,12 @@ def _speculative_config(text: str) -> dict:
     return spec
 
 
-def _calibration_prompts(model: str, prompts: Path | None, num_prompts: int, prompt_len: int,
-                         vocab: int) -> list[dict]:
-    """Token-id prompts: the ``prompt`` texts of a JSONL file (the model's tokenizer) or random ids."""
+def _calibration_prompts(model: str, prompts: PromptOptions, num_prompts: int | None = None) -> list[dict]:
+    """Token-id prompts of ``prompts`` (random ids when no ``--prompts`` file is given), ``num_prompts``
+    of them if given."""
     try:
-        return PromptOptions(prompts=prompts, random_prompts=prompts is None, num_prompts=num_prompts,
-                             prompt_len=prompt_len, vocab=vocab).load(model)
+        return dataclasses.replace(prompts, random_prompts=prompts.prompts is None,
+                                   num_prompts=num_prompts or prompts.num_prompts).load(model)
     except typer.BadParameter as e:
         raise fail(ValueError(str(e))) from None
 
@@ -97,6 +100,7 @@ def _json_object(text: str, name: str) -> dict:
 
 def costs(
     engine: EngineOptions,
+    prompts: PromptOptions,
     speculative_config: str = typer.Option(None, help="the drafter, as --speculative-config JSON (method, model, "
                                            "num_speculative_tokens); omit with --plain to time plain decoding only"),
     out: Path = typer.Option(..., help="cost file to write (JSON, docs/policy.md); the runs go to <out>.runs.json"),
@@ -105,10 +109,6 @@ def costs(
     plain: bool = typer.Option(False, help="also time plain decoding (no drafter) at each batch size"),
     plain_gated: bool = typer.Option(False, help="time plain decoding in the speculative engine itself, with "
                                      "drafting turned off as the batch gate does (no second engine start)"),
-    prompts: Path | None = typer.Option(None, help="JSONL with a 'prompt' text field (tokenised with the model's "
-                                        "tokenizer); default random token ids"),
-    prompt_len: int = typer.Option(64, min=1, help="random prompts: longest prompt (shortest is half)"),
-    vocab: int = typer.Option(1000, min=2, help="random prompts: token-id range"),
     steps: int = typer.Option(48, min=2, help="timed decode steps per (batch size, length)"),
     warmup: int = typer.Option(4, min=1, help="steps before timing (prefill included)"),
 ) -> None:
@@ -132,9 +132,9 @@ def costs(
         raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
                               "--speculative-config and excludes --plain"))
     batches = numbers(batch_sizes, "batch-sizes")
-    token_prompts = _calibration_prompts(engine.model, prompts, max(batches), prompt_len, vocab)
+    token_prompts = _calibration_prompts(engine.model, prompts, max(batches))
     if len(token_prompts) < max(batches):
-        raise fail(ValueError(f"--prompts {str(prompts)!r} has {len(token_prompts)} prompts; "
+        raise fail(ValueError(f"--prompts {str(prompts.prompts)!r} has {len(token_prompts)} prompts; "
                               f"--batch-sizes needs {max(batches)}"))
     from vllm_hybridspec.tools.costs import measure_costs, write_costs
 
@@ -159,5 +159,5 @@ def costs(
     typer.echo(f"wrote {out if 'round_ms' in cost_file else '(no cost file: plain only)'} and {sidecar}")
 
 
-calibrate_app.command("capture")(engine_options(capture))
-calibrate_app.command("costs")(engine_options(costs))
+calibrate_app.command("capture")(prompt_options(engine_options(capture)))
+calibrate_app.command("costs")(prompt_options(engine_options(costs)))

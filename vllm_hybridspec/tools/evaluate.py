@@ -1,5 +1,5 @@
 """One engine start, every way of decoding it offers: costs, a fitted policy, and decode speed and
-greedy output with drafting off, with every draft verified and with selected lengths (issue 6).
+greedy output with drafting off, with every draft verified and with selected lengths.
 
 Engine starts at full-size shapes take minutes (174-379 s at the Qwen3.6-35B-A3B shape on the
 H200), and a GPU session has 30 of them. All of the following therefore share one in-process engine
