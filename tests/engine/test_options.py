@@ -17,7 +17,7 @@ def test_defaults_and_select_follows_policy(tmp_path):
     policy.write_text((__import__("pathlib").Path("examples/policy_synth.json")).read_text())
     k = json.loads(policy.read_text())["draft_len"]
     options = parse_options({"policy": str(policy)}, k)
-    assert options.select is True and options.gdn_kernel is True and options.batched is False
+    assert options.select is True and options.gdn_kernel is None and options.batched is False
 
 
 @pytest.mark.parametrize(

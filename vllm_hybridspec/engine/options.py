@@ -32,8 +32,9 @@ class HybridSpecOptions(BaseModel):
     batched: bool = Field(default=False, description="one shared length per batch (the policy's batched variant)")
     gate: bool = Field(default=True, description="turn drafting off for steps whose batch size the policy's "
                        "gate table marks as slower than plain decoding")
-    gdn_kernel: bool = Field(default=True, description="verify GDN layers with the parallel kernel and one "
-                             "state slot per request")
+    gdn_kernel: bool | None = Field(default=None, description="verify GDN layers with the parallel kernel and one "
+                                    "state slot per request (true), or keep vLLM's own GDN spec-decode path "
+                                    "(false); default: on the CPU when its requirements hold, opt-in on GPUs")
     capture: str | None = Field(default=None, description="write calibration round records (JSONL) here "
                                 "(capture.py); verifies every draft token")
     fixed_length: int | None = Field(default=None, ge=1, description="verify exactly this many tokens "

@@ -71,24 +71,30 @@ def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eag
         assert not gdn_kernel_enabled(vllm_config(eager=eager, graphs=graphs))
 
 
-@pytest.mark.parametrize("method, architectures, on", [
-    ("dflash", ["HSpecDraftModel"], True),  # an H-Spec draft (it runs as method "dflash" inside vLLM)
-    ("dflash", ["DFlashDraftModel"], False),
-    ("ngram", None, False),
+@pytest.mark.parametrize("method, architectures", [
+    ("dflash", ["HSpecDraftModel"]),  # an H-Spec draft (it runs as method "dflash" inside vLLM)
+    ("dflash", ["DFlashDraftModel"]),
+    ("ngram", None),
 ])
-def test_on_a_gpu_the_default_is_on_for_hspec_drafts_only(monkeypatch, method, architectures, on):
-    """Without a "hybridspec" dict, a GPU engine gets the one-slot layer for H-Spec drafts (its float32
-    identity run on the H200 passed) and vLLM's own GDN path for every other method, which the plugin
-    must leave alone; with "gdn_kernel": true any method gets it."""
+@pytest.mark.parametrize("options", [None, {}, {"policy": None}])
+def test_on_a_gpu_the_layer_is_opt_in(monkeypatch, method, architectures, options):
+    """A GPU engine keeps vLLM's own GDN path unless "gdn_kernel": true is given (the layer has not
+    passed its GPU identity check), for every method and with or without other "hybridspec" options;
+    the same settings on the CPU get the layer."""
     from vllm.platforms import current_platform
 
+    def config():
+        c = vllm_config(eager=False, graphs="FULL_AND_PIECEWISE", options=options)
+        draft = None if architectures is None else SimpleNamespace(hf_config=SimpleNamespace(architectures=architectures))
+        c.speculative_config = SimpleNamespace(num_speculative_tokens=3, method=method, draft_model_config=draft)
+        return c
+
+    assert gdn_kernel_enabled(config())  # the CPU
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-    config = vllm_config(eager=False, graphs="FULL_AND_PIECEWISE")
-    draft = None if architectures is None else SimpleNamespace(hf_config=SimpleNamespace(architectures=architectures))
-    config.speculative_config = SimpleNamespace(num_speculative_tokens=3, method=method, draft_model_config=draft)
-    assert gdn_kernel_enabled(config) is on
-    config.additional_config = {"hybridspec": {"gdn_kernel": True}}
-    assert gdn_kernel_enabled(config)
+    assert not gdn_kernel_enabled(config())
+    asked = config()
+    asked.additional_config = {"hybridspec": {**(options or {}), "gdn_kernel": True}}
+    assert gdn_kernel_enabled(asked)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,10 +1,14 @@
 """Whether the GDN layers run with one state slot per request, and the page size that follows.
 
 On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
-"none"``, ``num_speculative_tokens + 1 <= 16``, and ``"gdn_kernel"`` is true in the ``"hybridspec"``
-options (without them: on for every method on the CPU, for H-Spec drafts on a GPU). Without a
-``"hybridspec"`` dict an unmet requirement falls back to vLLM's own GDN path with a warning; with one
-it is an error naming the value.
+"none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": true}`` is given,
+or ``gdn_kernel`` is left unset on the CPU. With ``"gdn_kernel": true`` an unmet requirement is an
+error naming the value; left unset, it falls back to vLLM's own GDN path with a warning.
+
+On GPUs the layer is opt-in: its current form (lazy commit, full CUDA graphs per verification length)
+has not yet passed a GPU greedy-identity check (``scripts/gpu_session.sh smoke``/``bisect``; the first
+run gave 0/24 prompts identical to plain decoding under vLLM's default graphs,
+``docs/benchmarks/h200-2026-12-01d``), so by default a GPU engine keeps vLLM's own path.
 """
 
 from __future__ import annotations
@@ -29,19 +33,19 @@ def gdn_kernel_enabled(vllm_config) -> bool:
     """Whether the GDN layers run with one state slot per request (see the module docstring).
 
     Called by the layer and by the model classes' page-size computation (the two must agree), in
-    every process; raises ``ValueError`` naming the bad setting when the user asked for it explicitly
-    (a ``"hybridspec"`` dict with ``"gdn_kernel": true``, the default inside the dict) and a
-    requirement does not hold."""
+    every process; raises ``ValueError`` naming the bad setting when the user asked for it
+    (``"hybridspec": {"gdn_kernel": true}``) and a requirement does not hold."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.num_speculative_tokens:
         return False
     options = hybridspec_options(vllm_config)
-    explicit = options is not None
-    if explicit and not options.gdn_kernel:
+    asked = None if options is None else options.gdn_kernel
+    if asked is False:
         return False
+    explicit = asked is True
     problem = _unmet_requirement(vllm_config)
-    if problem is None and not explicit and _on_cuda() and not _default_on_gpu(spec):
-        problem = (f'on GPUs it is on by default for H-Spec drafts only (this is method {spec.method!r}); '
+    if problem is None and not explicit and _on_cuda():
+        problem = ('on GPUs it is opt-in until it passes its GPU identity check (docs/benchmarks/h200-2026-12-01d); '
                    'opt in with "hybridspec": {"gdn_kernel": true}')
     if problem is None:
         return True
@@ -53,16 +57,6 @@ def gdn_kernel_enabled(vllm_config) -> bool:
         logger.warning("vllm-hybridspec: GDN layers use vLLM's own spec-decode path (a state slot per "
                        "draft token) because %s", problem)
     return False
-
-
-def _default_on_gpu(speculative_config) -> bool:
-    """The drafters the one-slot layer is on for by default on GPUs: H-Spec, whose float32 run on the
-    H200 gave plain decoding's greedy output on all 24 held-out prompts of the reference hybrid
-    (docs/benchmarks/h200-2026-12-01). Other methods keep vLLM's GDN path unless asked, since the
-    plugin is loaded into every vLLM process."""
-    from vllm_hybridspec.engine.config import is_hspec_speculative_config
-
-    return is_hspec_speculative_config(speculative_config)
 
 
 def _on_cuda() -> bool:
