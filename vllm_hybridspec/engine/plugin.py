@@ -1,7 +1,7 @@
 """The vLLM general plugin (entry point ``vllm.general_plugins: hspec``), loaded by vLLM in every
 process (``vllm.plugins.load_general_plugins``): after it, ``--speculative-config
 '{"method": "hspec", "model": "<H-Spec checkpoint>"}'`` works, and so does an H-Spec checkpoint served
-as the model. See ``docs/vllm_plugin.md``."""
+as the model. See ``docs/architecture.md``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The runner patches that make the target verify only the selected prefix of each draft
-(HybridSpec, throughput-aware verification; docs/design/verification_in_vllm.md section 1).
+(HybridSpec, throughput-aware verification; docs/architecture.md).
 
 The proposer's :class:`~vllm_hybridspec.engine.length.selector.LengthSelector` holds, for the
 drafts tensor it last produced, how many drafts of each input-batch row the target verifies; it is
