@@ -10,6 +10,7 @@ from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (a
 from vllm_hybridspec.tools.compare import compare
 from vllm_hybridspec.tools.evaluate import evaluate_command
 from vllm_hybridspec.tools.full_shape import full_shape
+from vllm_hybridspec.tools.kernels.cli import kernels_app
 from vllm_hybridspec.tools.replay_record import replay_record
 from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_command
 from vllm_hybridspec.train.cli import train
@@ -51,6 +52,7 @@ def demo(
 
 
 app.add_typer(calibrate_app, name="calibrate")
+app.add_typer(kernels_app, name="kernels")
 app.command("compare")(compare)
 app.command("evaluate")(evaluate_command)
 app.command("spec-steps")(spec_steps)
