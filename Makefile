@@ -49,7 +49,7 @@ models: install
 
 # GPU only: GDN verify + commit against vLLM 0.26's spec-decode path and fla (see docs/benchmarks).
 bench-gdn:
-	python3 examples/bench_gdn_kernels.py --out docs/benchmarks/gdn_kernels.md
+	python3 -m vllm_hybridspec.cli kernels compare --out docs/benchmarks/gdn_kernels.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

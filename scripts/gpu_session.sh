@@ -46,10 +46,10 @@ ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_bac
 
 case "$STAGE" in
 kernels)
-  run fused python3 -m vllm_hybridspec.tools.fused_round_bench --json "$R/fused_round.json"
+  run fused python3 -m vllm_hybridspec.cli kernels fused --json "$R/fused_round.json"
   ;;
 tune)
-  run tune python3 -m vllm_hybridspec.tools.fused_round_bench --tune --lengths 2 8 16 --samples 10 --replays 5 \
+  run tune python3 -m vllm_hybridspec.cli kernels fused --tune --lengths 2,8,16 --samples 10 --replays 5 \
     --json "$R/tune.json"
   ;;
 extras)

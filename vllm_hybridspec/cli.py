@@ -12,6 +12,7 @@ from vllm_hybridspec.tools.compare import compare
 from vllm_hybridspec.tools.compare_report import compare_report
 from vllm_hybridspec.tools.evaluate import evaluate_command
 from vllm_hybridspec.tools.full_shape import full_shape
+from vllm_hybridspec.tools.kernels.cli import kernels_app
 from vllm_hybridspec.tools.plots import plot_rounds
 from vllm_hybridspec.tools.profile import profile_command
 from vllm_hybridspec.tools.replay_record import replay_record
@@ -56,6 +57,7 @@ def demo(
 
 
 app.add_typer(calibrate_app, name="calibrate")
+app.add_typer(kernels_app, name="kernels")
 app.command("compare")(compare)
 app.command("compare-report")(compare_report)
 app.add_typer(check_app, name="check")

@@ -43,7 +43,7 @@ RECURRENT_UP_TO = {1: 4, 2: 2, 5: 1}
 # candidates summed over w = 2, 8, 16 and one and four sequences in that run
 LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 8, "num_warps": 1}}
 # a single sequence verifies recurrently with BV = 4 (twice the programs): 0.107 against 0.136 ms for
-# BV = 8 at w = 2 (30 layers, H200 launch sweep of 2026-12-01, examples/tune_gdn_round.py); at four
+# BV = 8 at w = 2 (30 layers, H200 launch sweep of 2026-12-01, `hybridspec kernels tune`); at four
 # sequences BV = 8 and 16 were within 5 % of each other
 RECURRENT_BV_ONE_SEQ = 4
 # the chunkwise inverse uses the product series from this round length on: at w = 16 it verified in

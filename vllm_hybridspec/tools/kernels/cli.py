@@ -1,0 +1,217 @@
+"""``hybridspec kernels``: the GDN-kernel benchmarks (timings on CUDA; accuracy checks on any device).
+
+    hybridspec kernels compare --out gdn_kernels.md --json gdn_kernels.json   # ours vs vLLM 0.26 vs fla
+    hybridspec kernels render gdn_kernels.json --out gdn_kernels.md          # the report again, from JSON
+    hybridspec kernels fused --json fused_round.json                         # fused lazy commit vs unfused
+    hybridspec kernels fused --tune --lengths 2,8,16 --json tune.json        # the fused round's launch sweep
+    hybridspec kernels tune --out tune.jsonl                                 # launch sweep of each part
+    hybridspec kernels profile --batch 1 --length 16                         # one round per kernel, for ncu
+
+Without the package installed (a bare GPU machine, ``examples/device_setup.sh``): ``python3 -m
+vllm_hybridspec.cli kernels ...``. What each measures: the docstrings of :mod:`.gdn_compare`,
+:mod:`.fused_round`, :mod:`.tune` and :mod:`.profile`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from vllm_hybridspec.tools.engine_args import int_list
+
+kernels_app = typer.Typer(help="GDN-kernel benchmarks: ours vs vLLM and fla, the fused lazy commit, launch "
+                               "sweeps, profiling (timings need CUDA; the accuracy checks run anywhere).",
+                          no_args_is_help=True)
+
+SHAPE = typer.Option("35b", help="35b (Qwen3.6-35B-A3B: 30 layers, 16 key / 32 value heads, 128 x 128 "
+                                 "states) or tiny (2 layers, 2 / 4 heads, 32 x 32: seconds on the CPU)")
+NO_CUDA = "timing needs a CUDA device, none here"
+
+
+def _shape(name: str):
+    from .shapes import SHAPES
+
+    if name not in SHAPES:
+        raise typer.BadParameter(f"--shape must be one of {', '.join(SHAPES)}, got {name!r}")
+    return SHAPES[name]
+
+
+def _lengths(text: str) -> list[int]:
+    from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN
+
+    values = int_list(text, "lengths")
+    if max(values) > MAX_VERIFY_LEN:
+        raise typer.BadParameter(f"--lengths must be in 1..{MAX_VERIFY_LEN}, got {text!r}")
+    return values
+
+
+def _needs_cuda(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        typer.echo(f"{what}: {NO_CUDA}", err=True)
+        raise typer.Exit(2)
+
+
+def _cpu_notice() -> None:
+    """Say up front what a run without CUDA does (the 35B shape through the interpreter takes long)."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        interpret = "" if os.environ.get("TRITON_INTERPRET") == "1" else " (set TRITON_INTERPRET=1)"
+        typer.echo(f"no CUDA device: only the accuracy check runs, through Triton's interpreter{interpret}; "
+                   "--shape tiny takes seconds, the 35B shape a long time")
+
+
+def _write_json(path: Path | None, data) -> None:
+    if path is not None:
+        path.write_text(json.dumps(data, indent=1))
+        typer.echo(f"wrote {path}")
+
+
+@kernels_app.command("compare")
+def compare(
+    shape: str = SHAPE,
+    out: Path | None = typer.Option(None, help="markdown report to write"),
+    json_out: Path | None = typer.Option(None, "--json", help="raw results to write (`render` re-renders them)"),
+    samples: int = typer.Option(30, min=3, help="timed samples of 10 graph replays per variant"),
+    lengths: str = typer.Option("2,3,4,8,12,16", help="round lengths w, comma-separated"),
+    batches: str = typer.Option("1,4", help="sequences per round B, comma-separated"),
+    tune: bool = typer.Option(True, help="choose the launch configuration in this run (--no-tune: the "
+                                         "library defaults)"),
+    tune_recurrent: bool = typer.Option(False, "--tune-recurrent", help="choose the recurrent verify kernel's launch "
+                                                    "configuration in this run"),
+    ours_only: bool = typer.Option(False, "--ours-only", help="only our kernels (no vLLM or fla needed): for tuning"),
+) -> None:
+    """Verification + commit of every GDN layer as one CUDA graph: ours vs vLLM 0.26's spec-decode
+    kernel vs fla, against the bandwidth and launch floors, after an accuracy check against vLLM and
+    float64. Without CUDA: the accuracy check only."""
+    from . import gdn_compare, report
+
+    ws, bs = _lengths(lengths), int_list(batches, "batches")
+    _cpu_notice()
+    result = gdn_compare.run(_shape(shape), ws, bs, samples=samples, tune=tune, tune_recurrent=tune_recurrent,
+                             ours_only=ours_only)
+    flags = {"--no-tune": not tune, "--tune-recurrent": tune_recurrent, "--ours-only": ours_only,
+             f"--out {out}": out, f"--json {json_out}": json_out}
+    result["meta"]["command"] = " ".join(
+        [f"hybridspec kernels compare --shape {shape} --lengths {lengths} --batches {batches} --samples {samples}"]
+        + [flag for flag, given in flags.items() if given])
+    failed = result.pop("failed")
+    _write_json(json_out, dict(result, results=report.raw_results(result["results"])))
+    if result["results"] and out is not None:
+        out.write_text(report.render_markdown(result["meta"], result["accuracy"], result["results"]))
+        typer.echo(f"wrote {out}")
+    if failed:
+        typer.echo(f"ACCURACY CHECK FAILED at (kernel, w, B) = {failed}", err=True)
+        raise typer.Exit(1)
+    if not result["results"]:
+        against = "the float64 reference" + ("" if ours_only else " and vLLM's kernel")
+        typer.echo(f"accuracy check passed (ours against {against}, through Triton's interpreter); "
+                   f"{NO_CUDA}" + ("; no report written" if out else ""))
+    typer.echo(f"done in {result['meta']['seconds']:.0f} s")
+
+
+@kernels_app.command("render")
+def render(
+    run_json: Path = typer.Argument(..., exists=True, dir_okay=False, help="the --json of a `compare` run"),
+    out: Path | None = typer.Option(None, help="markdown report to write [default: stdout]"),
+) -> None:
+    """The markdown report of a `compare` run again, from its JSON (derived columns under the
+    library's current rule)."""
+    from .report import render_file
+
+    try:
+        text = render_file(run_json)
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        typer.echo(f"cannot render {run_json}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}")
+
+
+@kernels_app.command("fused")
+def fused(
+    shape: str = SHAPE,
+    batches: str = typer.Option("1,4", help="sequences per round B, comma-separated"),
+    lengths: str = typer.Option("1,2,4,8,16", help="round lengths w, comma-separated"),
+    samples: int = typer.Option(30, min=3, help="timed samples per variant"),
+    replays: int = typer.Option(10, min=1, help="graph replays per sample"),
+    json_out: Path | None = typer.Option(None, "--json", help="where to write the accuracy, the timings and "
+                                                              "the run's meta"),
+    tune: bool = typer.Option(False, "--tune", help="time the fused round at every launch candidate (no accuracy "
+                                          "check, CUDA only)"),
+) -> None:
+    """One round of every GDN layer as one CUDA graph: the fused lazy commit + verification against
+    the unfused verify + commit, with the bandwidth and launch floors, after a float64 accuracy check.
+    Without CUDA: the accuracy check only."""
+    from . import fused_round
+
+    sh, bs, ws = _shape(shape), int_list(batches, "batches"), _lengths(lengths)
+    if tune:
+        _needs_cuda("kernels fused --tune")
+        from .tune import tune_fused
+
+        _write_json(json_out, tune_fused(sh, bs, ws, samples, replays))
+        return
+    _cpu_notice()
+    result = fused_round.run(sh, bs, ws, samples, replays)
+    result["meta"]["command"] = (f"hybridspec kernels fused --shape {shape} --batches {batches} --lengths "
+                                 f"{lengths} --samples {samples} --replays {replays}"
+                                 + (f" --json {json_out}" if json_out else ""))
+    _write_json(json_out, result)
+    if result["failed"]:
+        typer.echo(f"accuracy check FAILED for {result['failed']}; nothing timed", err=True)
+        raise typer.Exit(1)
+    if not result["rows"]:
+        typer.echo(f"accuracy check passed; {NO_CUDA}")
+        return
+    meta = result["meta"]
+    typer.echo(f"{meta['device']}: copy bandwidth {meta['copy_bandwidth_TBps']:.2f} TB/s, launch floor "
+               f"{meta['launch_floor_ms']:.4f} ms; times in ms per round of {shape} ({sh.layers} layers)")
+    typer.echo(fused_round.format_table(result["rows"]))
+
+
+@kernels_app.command("tune")
+def tune(
+    out: Path = typer.Option(..., help="JSON lines, one per measurement"),
+    shape: str = SHAPE,
+    samples: int = typer.Option(15, min=3, help="timed samples of 10 graph replays per candidate"),
+) -> None:
+    """Launch sweep of the commit, the chunkwise verify and the recurrent verify alone, each at the
+    lengths and batches where the comparison misses its targets (CUDA only)."""
+    _needs_cuda("kernels tune")
+    from .tune import sweep_parts
+
+    sweep_parts(_shape(shape), out, samples)
+
+
+@kernels_app.command("profile")
+def profile(
+    shape: str = SHAPE,
+    batch: int = typer.Option(1, "--batch", "-B", min=1, help="sequences per round"),
+    length: int = typer.Option(16, "--length", "-w", min=1, max=16, help="round length w"),
+    BV: int = typer.Option(64, "--BV", help="value rows per program"),
+    BK: int = typer.Option(64, "--BK", help="key chunk"),
+    num_warps: int = typer.Option(4, help="warps per program"),
+    precision: str = typer.Option("tf32x3", help="tl.dot input precision: tf32x3, tf32 or ieee"),
+    rounds: int = typer.Option(4, min=1, help="rounds of verify + commit"),
+) -> None:
+    """A few rounds of our verify + commit (one layer) for Nsight Compute, then the verify kernel's
+    registers and spills."""
+    from .profile import profile as run_profile
+
+    launch = dict(BV=BV, BK=BK, num_warps=num_warps, precision=precision)
+    kernels = run_profile(_shape(shape), batch, length, launch, rounds=rounds)
+    for regs, spills in kernels:
+        typer.echo(f"verify kernel: registers {regs} spills {spills}")
+    if not kernels:
+        typer.echo(f"{rounds} rounds run; no compiled kernel metadata (Triton's interpreter, or none "
+                   "reported)")
