@@ -3,7 +3,7 @@ vLLM method once, hooks after the runner's sampling step, and reaching an engine
 outside (in-process tools, worker extensions).
 
 vLLM has no stable internal API. Every reach into it sits beside the feature that needs it, names
-the vLLM symbol it touches, and has a contract check in ``tests/test_vllm_internals.py``; only what
+the vLLM symbol it touches, and has a contract check in ``tests/engine/test_vllm_internals.py``; only what
 more than one feature needs is here.
 """
 

@@ -1,5 +1,5 @@
 """vLLM 0.26's own GDN spec-decode kernel, the per-token-state path the one-slot layer replaces: the
-baseline of the kernel benchmark (``hybridspec kernels bench``) and of ``tests/test_vllm_internals.py``."""
+baseline of the kernel benchmark (``hybridspec kernels compare``) and of ``tests/engine/test_vllm_internals.py``."""
 
 from __future__ import annotations
 
