@@ -35,6 +35,14 @@ class StateInjection(nn.Module):
         self.norm = Qwen3RMSNorm(rank, eps=eps)
         self.proj_state = nn.Linear(rank, state_shape[0] * state_shape[1] * state_shape[2], bias=False)
 
+    @classmethod
+    def for_config(cls, config: HSpecSpeculatorConfig, state_shape: tuple[int, int, int]) -> StateInjection:
+        """The injection of ``config``'s drafter: the selected target layers' hidden states in, the
+        Mamba-2 state ``state_shape`` out, through rank ``fusion_rank`` (default: the hidden size)."""
+        tl = config.transformer_layer_config
+        return cls(len(config.aux_hidden_state_layer_ids) * tl.hidden_size, config.fusion_rank or tl.hidden_size,
+                   state_shape, tl.rms_norm_eps)
+
     def forward(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """``last_hidden``: ``[N, n_selected * hidden]`` -> ``[N, heads, head_dim, d_state]`` fp32."""
         state = self.proj_state(self.norm(self.proj_r(last_hidden.to(self.proj_r.weight.dtype))))

@@ -60,12 +60,7 @@ class HSpecForVLLM(nn.Module):
         g = config.attention_geometry
         n_attn = len(config.kv_reuse_layer_ids)
         self.layers = nn.ModuleList([HSpecLayer(config, with_attention=i < n_attn) for i in range(config.num_layers)])
-        self.state_injection = StateInjection(
-            len(config.aux_hidden_state_layer_ids) * tl.hidden_size,
-            config.fusion_rank or tl.hidden_size,
-            self.layers[0].mamba.state_shape,
-            tl.rms_norm_eps,
-        )
+        self.state_injection = StateInjection.for_config(config, self.layers[0].mamba.state_shape)
         self.rotary_emb = RotaryEmbedding(g.head_dim, g.rope_theta, g.partial_rotary_factor)
         self.norm = Qwen3RMSNorm(tl.hidden_size, eps=tl.rms_norm_eps)
         vocab = tl.vocab_size
