@@ -37,7 +37,7 @@ run() {  # run NAME CMD...: with the time left, output to $R/NAME.log, the inter
   echo "[$name] start ($t s left)"
   timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "[$name] exit $? after $((SECONDS - T0)) s"
   grep -E "^(B=|engine started|config|plain|ngram|hspec|wrote|PASS|FAIL)|identical|ms/step|rror|Traceback|  w=|floor" \
-    "$R/$name.log" | grep -v "^INFO\|^DEBUG" | tail -30
+    "$R/$name.log" | grep -v "^INFO\|^DEBUG\|hspec-check" | tail -30
 }
 pack() { tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"; }
 trap pack EXIT
@@ -75,17 +75,24 @@ PY
     --config plain=none --config ngram_one_slot="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/identity.json"
   ;;
 bisect)
+  # the layer's in-engine self-check (engine/gdn/check.py) on every non-captured forward of each config
   [ -d /tmp/tiny-hybrid ] || bash scripts/gpu_session.sh smoke-model
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
-  run bisect python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 --num-prompts 24 \
-    --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate --logprobs \
-    --engine-args "$ENG" \
+  export VLLM_HYBRIDSPEC_CHECK_ROUNDS=1
+  run bisect python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts \
+    --vocab 12 --num-prompts 24 --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 4 --gpu-mem 0.2 --isolate \
+    --logprobs --engine-args "$ENG" \
     --config plain=none \
-    --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" \
     --config eager="{$NG, \"engine\": {\"enforce_eager\": true}, \"hybridspec\": {\"gdn_kernel\": true}}" \
     --config piecewise="{$NG, \"engine\": {\"compilation_config\": {\"cudagraph_mode\": \"PIECEWISE\"}}, \"hybridspec\": {\"gdn_kernel\": true}}" \
+    --config default="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" \
     --config no_extra_lengths="{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": false}}" \
-    --config default="{$NG, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/bisect.json"
+    --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/bisect.json"
+  unset VLLM_HYBRIDSPEC_CHECK_ROUNDS
+  echo "self-check lines: $(grep -c 'hspec-check' "$R/bisect.log"), above tolerance or first calls:"
+  grep 'hspec-check' "$R/bisect.log" | grep -v sampled | head -12 | cut -c1-330
+  grep 'hspec-check' "$R/bisect.log" | awk '{for(i=1;i<=NF;i++) if($i=="out") print $(i+1), $(i+3), $(i+5)}' | sort -g -r | head -3
+  gzip -f "$R/bisect.log"
   ;;
 modes)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

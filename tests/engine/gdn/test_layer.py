@@ -446,3 +446,24 @@ def test_the_lazy_commit_check_catches_planted_bugs(corrupt):
     err, _ = simulate(seed, False, 40, corrupt=corrupt)
     print(f"{corrupt}, seed {seed}: worst relative error {err:.2e}")
     assert err > 1e-2, (seed, err)
+
+
+@pytest.mark.parametrize("kernels, corrupt", [(False, None), (True, None), (False, "no-conv-shift")])
+def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(monkeypatch, kernels, corrupt):
+    """``VLLM_HYBRIDSPEC_CHECK_ROUNDS=1`` (``engine/gdn/check.py``) recomputes every round with the torch
+    references from a copy of the pool: on the correct layer its worst error is float32 noise; with the
+    conv window left unshifted it reports the difference."""
+    from vllm_hybridspec.engine.gdn import check
+
+    monkeypatch.setenv(check.CHECK_ENV, "1")
+    monkeypatch.setattr(check, "_state", {"calls": 0, "worst": 0.0})
+    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    simulate(seed, kernels, 14 if kernels else 30, corrupt=corrupt)
+    worst = check._state["worst"]
+    print(f"kernels={kernels} corrupt={corrupt} seed {seed}: self-check worst {worst:.2e} over "
+          f"{check._state['calls']} forwards")
+    assert check._state["calls"] > 5
+    if corrupt is None:
+        assert worst < 2e-5, (seed, worst)
+    else:
+        assert worst > 1e-2, (seed, worst)

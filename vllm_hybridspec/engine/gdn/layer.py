@@ -33,6 +33,7 @@ import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from vllm_hybridspec.engine.cpu.core import cpu_gdn_core_op, vllm_cpu_gdn_paths
+from vllm_hybridspec.engine.gdn.check import RoundCheck, check_enabled
 from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, needs_torch_prefill
 from vllm_hybridspec.engine.gdn.layout import StepLayout, spec_conv_index, step_layout
@@ -204,6 +205,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             x, b_s, a_s = mixed_qkv[:T], b[:T], a[:T]
         else:
             x, b_s, a_s = (t.index_select(0, index) for t in (mixed_qkv, b, a))
+        check = RoundCheck(self, layout) if check_enabled() else None
         commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
         conv_out = self._conv(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
@@ -217,6 +219,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             g, beta = gdn_gating(self.A_log, a_s, self.dt_bias, b_s)  # [T, HV] fp32
             out = commit_verify_(q, k, v, g, beta, self.state_pool(), layout.slots, layout.cu, self.factor_slabs,
                                  self.slab_len, layout.pending_entry, layout.pending_m, layout.target_entry)
+        if check is not None:
+            check.finish(self, layout, x, b_s, a_s, out)
         self.input_slab.index_copy_(0, layout.slab_rows, x.to(self.input_slab.dtype))
         if index is None:
             core_attn_out[:T] = out.to(core_attn_out.dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
+from vllm_hybridspec.engine.gdn.check import log_sampled
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
 
@@ -106,6 +107,7 @@ def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) 
     """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``)."""
     rounds = rounds_of(runner)
     if rounds is not None:
+        log_sampled(rounds, output_token_ids)
         rounds.sampled(output_token_ids)
 
 
