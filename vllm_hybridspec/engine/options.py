@@ -45,6 +45,9 @@ class HybridSpecOptions(BaseModel):
         default=True, description="capture full CUDA graphs for uniform batches of every verification length the "
         "selector can pick (true), of the listed lengths, or none besides vLLM's K + 1 (false)")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
+    full_graph_spec_steps: bool = Field(
+        default=False, description="with the one-slot GDN layer on a GPU, replay spec steps from full CUDA graphs; "
+        "not yet exact (docs/benchmarks/h200-2026-12-02), so by default the engine runs piecewise graphs")
 
     @model_validator(mode="after")
     def _consistent(self) -> HybridSpecOptions:

@@ -71,6 +71,48 @@ def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eag
         assert not gdn_kernel_enabled(vllm_config(eager=eager, graphs=graphs))
 
 
+@pytest.mark.parametrize("graphs, options, on_cuda, piecewise", [
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True}, True, True),
+    ("FULL_DECODE_ONLY", {"gdn_kernel": True}, True, True),
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True, "full_graph_spec_steps": True}, True, False),
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": False}, True, False),  # vLLM's own GDN path keeps its graphs
+    ("FULL_AND_PIECEWISE", None, True, False),  # opt-in on GPUs: vLLM's path
+    ("PIECEWISE", {"gdn_kernel": True}, True, False),
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True}, False, False),  # the CPU has no graphs to change
+])
+def test_one_slot_spec_steps_run_piecewise_on_a_gpu_unless_asked(monkeypatch, graphs, options, on_cuda, piecewise):
+    """Replayed from full CUDA graphs, the one-slot layer's spec steps left plain decoding's greedy output
+    on the H200 (0/24 prompts; piecewise 24/24): a GPU engine with the layer is set to PIECEWISE before
+    vLLM resolves its graph mode, unless "full_graph_spec_steps" is asked for."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from vllm_hybridspec.engine.gdn.runner import piecewise_spec_steps
+
+    if on_cuda:
+        monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    config = vllm_config(eager=False, graphs=graphs, options=options)
+    assert piecewise_spec_steps(config) is piecewise
+    want = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode[graphs]
+    assert config.compilation_config.cudagraph_mode == want
+
+
+def test_the_piecewise_switch_runs_before_vllm_resolves_the_graph_mode():
+    """The wrapper of ``GPUModelRunner._check_and_update_cudagraph_mode`` is installed with the plugin and
+    changes the mode before the method it wraps reads it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import vllm_hybridspec.engine.plugin as plugin
+
+    plugin.register()
+    keys, link = [], GPUModelRunner._check_and_update_cudagraph_mode
+    while getattr(link, "__hspec_wrapped__", False):
+        keys.append(link.__hspec_key__.rsplit(".", 1)[-1])
+        link = link.__wrapped__
+    assert "_piecewise_before_resolving" in keys
+    assert keys.index("_piecewise_before_resolving") < keys.index("_keys_per_length"), keys  # outermost first
+
+
 @pytest.mark.parametrize("method, architectures", [
     ("dflash", ["HSpecDraftModel"]),  # an H-Spec draft (it runs as method "dflash" inside vLLM)
     ("dflash", ["DFlashDraftModel"]),

@@ -12,9 +12,16 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by 
   run, a warm-up or a CUDA-graph capture never touches a request's pending round.
 * ``GPUModelRunner._update_states_after_model_execute`` (through ``compat.patch_runner_after_sampling``):
   each verified row's ``m`` is written on the device for the next round.
+* ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
+  ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
+  is set to ``PIECEWISE`` (unless ``"full_graph_spec_steps": true``): replayed from a full graph, its
+  spec steps leave plain decoding's greedy output (0/24 prompts on the H200, against 24/24 piecewise,
+  ``docs/benchmarks/h200-2026-12-02``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -22,6 +29,8 @@ from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
 from vllm_hybridspec.engine.gdn.check import log_sampled
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
+
+logger = logging.getLogger(__name__)
 
 
 def one_slot_layers_by_group(runner) -> dict[int, list]:
@@ -111,8 +120,41 @@ def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) 
         rounds.sampled(output_token_ids)
 
 
+def piecewise_spec_steps(vllm_config) -> bool:
+    """Set ``compilation_config.cudagraph_mode`` to ``PIECEWISE`` when this engine runs the one-slot layer
+    on a GPU with full decode graphs and ``"full_graph_spec_steps"`` is not asked for; returns whether it
+    did (a warning says so once per engine)."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled
+    from vllm_hybridspec.engine.options import hybridspec_options
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs() or not _on_cuda() or not gdn_kernel_enabled(vllm_config):
+        return False
+    options = hybridspec_options(vllm_config)
+    if options is not None and options.full_graph_spec_steps:
+        return False
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    logger.warning("vllm-hybridspec: cudagraph_mode %s -> PIECEWISE: spec steps of the one-slot GDN layer are not "
+                   "yet exact when replayed from full CUDA graphs (docs/benchmarks/h200-2026-12-02); "
+                   '"hybridspec": {"full_graph_spec_steps": true} keeps full graphs', mode.name)
+    return True
+
+
+def _piecewise_before_resolving(original):
+    def _check_and_update_cudagraph_mode(self, *args, **kwargs):
+        piecewise_spec_steps(self.vllm_config)
+        return original(self, *args, **kwargs)
+
+    return _check_and_update_cudagraph_mode
+
+
 def patch_runner_pending_rounds() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wrap_once(GPUModelRunner, "_check_and_update_cudagraph_mode", _piecewise_before_resolving)
 
     wrap_once(GPUModelRunner, "_prepare_inputs", _planned_prepare_inputs)
     wrap_once(GPUModelRunner, "_dummy_run", _clean_dummy_run)
