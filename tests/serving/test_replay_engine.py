@@ -331,12 +331,12 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     two full-attention layers, under async scheduling: greedy identity with a plain engine up to
     floating-point ties (test_gdn_layer_engine.check_identity), and every round of a request whose
     output is the recording's accepts exactly the replayed count."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
+    from vllm_hybridspec.drafter import HSpecDraftModel
     from vllm_hybridspec.tools.replay_record import record_continuations
+    from vllm_hybridspec.train.tiny_target import save_tiny_qwen3_next
 
-    from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
     from .test_gdn_layer_engine import check_identity, fresh_seed, gdn_layers, hybrid_llm
 
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -344,17 +344,14 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     # the dense engines before this one set up vLLM's process groups without the expert-parallel one
     cleanup_dist_env_and_memory()
     vocab, k, max_tokens, n = 48, 3, 24, 24
-    target = tmp_path / "target"
-    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": vocab, "num_hidden_layers": 8, "pad_token_id": 0})
-    config.architectures = ["Qwen3NextForCausalLM"]
-    torch.manual_seed(fresh_seed("replay hybrid weights"))
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(target)
-    selected, kv = default_layer_selection(config, num_selected=4, num_kv_reuse=2)
+    target = save_tiny_qwen3_next(tmp_path / "target", torch.float32, fresh_seed("replay hybrid weights"),
+                                  vocab_size=vocab, num_hidden_layers=8, pad_token_id=0)
+    # the drafter reads the two full-attention layers' K/V (3 and 7) and the inputs of four layers
+    drafter = {"target_layer_ids": [1, 3, 5, 7], "kv_reuse_layer_ids": [3, 7], "mask_token_id": vocab - 1,
+               "mamba_num_heads": 4, "mamba_head_dim": 16, "markov_rank": 16}
     torch.manual_seed(fresh_seed("replay H-Spec drafter weights"))
-    HSpecDraftModel.from_training_args(
-        config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
-        mask_token_id=vocab - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
-    ).save_pretrained(tmp_path / "hspec")
+    HSpecDraftModel.from_training_args(AutoConfig.from_pretrained(target), None, None,
+                                       verifier_name_or_path=str(target), **drafter).save_pretrained(tmp_path / "hspec")
     gen = torch.Generator().manual_seed(fresh_seed("replay hybrid prompts"))
     ps = [torch.randint(0, vocab - 1, (int(m),), generator=gen).tolist() for m in torch.randint(3, 40, (n,), generator=gen)]
     engine = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
