@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from vllm.config import VllmConfig
 
-from vllm_hybridspec.drafter.model import DraftBlock
+from vllm_hybridspec.drafter.layers import DraftBlock
 from vllm_hybridspec.engine.drafting.proposer import HSpecProposer
 from vllm_hybridspec.engine.replay.config import replay_options
 from vllm_hybridspec.engine.replay.data import load_continuations, load_replay_rounds
