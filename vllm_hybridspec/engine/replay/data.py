@@ -1,4 +1,4 @@
-"""Replayed acceptance, for benchmarking only (issue 7, deliverable 3).
+"""Replayed acceptance, for benchmarking only: its two input files and the host reference of its draws.
 
 Measuring a full-size target (e.g. the Qwen3.6-35B-A3B shape) needs no trained weights if the
 draft's acceptance is replayed rather than produced: under greedy decoding, speculation does not
