@@ -322,3 +322,31 @@ def test_a_new_request_in_a_used_slot_starts_on_the_recording(tmp_path, rng):
     assert (after["left_requests"], after["left_rounds"]) == (1, before["left_rounds"])
     assert after["accepted_planned"] - before["accepted_planned"] == sum(p for (p, _, _, _) in seen.values()) > 0
     assert lookup.left.numel() >= len(rest)  # all ten decode together: the flags grew
+
+
+def test_a_config_only_drafter_serves_the_replay_with_dummy_weights(tmp_path, rng):
+    """The 35B-shape recipe's drafter (``hybridspec full-shape``'s ``hspec/``) has a config.json and no
+    weights: the replay resolves as ``"hspec"`` does, with the engine's load format, so dummy weights
+    pass and a missing weight file is refused otherwise."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from vllm_hybridspec.engine.config import resolve_speculative_config
+
+    models = Path(__file__).resolve().parents[3] / "models"
+    drafter = tmp_path / "hspec"
+    drafter.mkdir()
+    shutil.copy(models / "dense-hspec" / "config.json", drafter / "config.json")
+    hf_config = AutoConfig.from_pretrained(models / "dense")
+    target = SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: hf_config.vocab_size)
+    write_records(tmp_path / "r.jsonl", rng, 50, 6)
+    save_continuations([([1, 2, 3], [4, 5, 6, 7, 8], 2)], tmp_path / "c.jsonl")
+    spec = {"method": "replay_bench", "model": str(drafter), "num_speculative_tokens": 4,
+            "replay_bench": {"records": str(tmp_path / "r.jsonl"), "continuations": str(tmp_path / "c.jsonl")}}
+    resolved, extra = resolve_speculative_config(spec, target, "dummy")
+    assert resolved == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
+    assert extra["replay_bench"]["seed"] == 0
+    with pytest.raises(ValueError, match=r"has no weights: .*load_format='dummy' for random weights"):
+        resolve_speculative_config(spec, target, "auto")
