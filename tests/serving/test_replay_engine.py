@@ -6,6 +6,7 @@ bad inputs give errors that name them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -57,7 +58,7 @@ def synthetic_records(path, seed: int, d: int = D, k: int = K, n: int = NUM_RECO
 def no_successor(tokens: list[int], vocab: int) -> bool:
     """No token is followed by ``(token + 1) % vocab``, the draft of a request the replay does not know:
     a greedy target producing ``tokens`` rejects that draft at position 0 in every round."""
-    return all(b != (a + 1) % vocab for a, b in zip(tokens, tokens[1:]))
+    return all(b != (a + 1) % vocab for a, b in itertools.pairwise(tokens))
 
 
 @pytest.fixture(scope="module")
@@ -332,14 +333,13 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     floating-point ties (test_gdn_layer_engine.check_identity), and every round of a request whose
     output is the recording's accepts exactly the replayed count."""
     from transformers import AutoConfig
+    from vllm.distributed import cleanup_dist_env_and_memory
 
     from vllm_hybridspec.drafter import HSpecDraftModel
     from vllm_hybridspec.tools.replay_record import record_continuations
     from vllm_hybridspec.train.tiny_target import save_tiny_qwen3_next
 
     from .test_gdn_layer_engine import check_identity, fresh_seed, gdn_layers, hybrid_llm
-
-    from vllm.distributed import cleanup_dist_env_and_memory
 
     # the dense engines before this one set up vLLM's process groups without the expert-parallel one
     cleanup_dist_env_and_memory()

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 import torch
 
 from vllm_hybridspec.engine.replay.config import parse_replay_options, resolve_replay_speculative_config
@@ -237,7 +236,7 @@ def replay_requests(rng, k, max_tokens, n=10):
 def make_lookup(tmp_path, rng, k, max_tokens, d=None, num_slots=64, seed=None):
     d = d or k + 2
     probs = rng.dirichlet(np.ones(d + 1))
-    accepted, truncated = write_records(tmp_path / "r.jsonl", rng, 500, d, probs=probs, truncated_frac=0.1)
+    write_records(tmp_path / "r.jsonl", rng, 500, d, probs=probs, truncated_frac=0.1)
     requests, entries = replay_requests(rng, k, max_tokens)
     save_continuations(entries, tmp_path / "c.jsonl")
     seed = int(rng.integers(1 << 30)) if seed is None else seed
@@ -273,7 +272,7 @@ def test_lookup_against_a_simulated_greedy_target(tmp_path, rng):
             assert accepted == planned, (i, g)
     assert all(p == a == 0 for (i, g), (p, a, _, _) in seen.items() if i == stranger or (i == leaving and g > 30))
     # (3) the counters
-    rounds_of = lambda i: sum(1 for (j, _) in seen if j == i)  # noqa: E731
+    rounds_of = lambda i: sum(1 for (j, _) in seen if j == i)
     assert stats["rounds"] == len(seen) and stats["draft_tokens"] == sum(kk for (_, _, kk, _) in seen.values())
     assert stats["accepted_planned"] == sum(p for (p, _, _, _) in seen.values())
     assert stats["unrecorded_requests"] == 1 and stats["unrecorded_rounds"] == rounds_of(stranger) == max_tokens - 1
