@@ -1,5 +1,6 @@
-"""The replay proposer (benchmarking only) behind vLLM's OpenAI server on the CPU, measured by
-`hybridspec bench`: the acceptance length the benchmark reports is the records' one."""
+"""The replay proposer (benchmarking only; an H-Spec drafter runs every round) behind vLLM's OpenAI server
+on the CPU, measured by `hybridspec bench`: the acceptance length the benchmark reports is the
+records' one, for each setting of the length selector switched in place."""
 
 from __future__ import annotations
 
@@ -11,13 +12,28 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
-from .conftest import free_port, serve_command, server_env
+from .conftest import VOCAB, free_port, serve_command, server_env
 
 HYBRIDSPEC = [sys.executable, "-m", "vllm_hybridspec.cli"]
 K, D, OUTPUT_LEN = 3, 5, 48
+
+
+def save_hspec_drafter(target, out):
+    """A random H-Spec drafter for the 2-layer bench target: it reads layer 1's K/V and hidden input."""
+    from transformers import AutoConfig
+
+    from vllm_hybridspec.drafter import HSpecDraftModel
+
+    torch.manual_seed(0)
+    HSpecDraftModel.from_training_args(
+        AutoConfig.from_pretrained(target), None, None, verifier_name_or_path=str(target), target_layer_ids=[1],
+        kv_reuse_layer_ids=[1], mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
+    ).save_pretrained(out)
+    return out
 
 
 @pytest.mark.timeout(900)
@@ -38,7 +54,8 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
     assert record.returncode == 0, record.stderr[-3000:]
     assert "recorded 16 greedy continuations of 48 + 3 tokens" in record.stdout
 
-    replay = {"method": "replay_bench", "num_speculative_tokens": K, "hybridspec": {},
+    hspec = save_hspec_drafter(tiny_target, tmp_path / "hspec")
+    replay = {"method": "replay_bench", "model": str(hspec), "num_speculative_tokens": K, "hybridspec": {},
               "replay_bench": {"records": str(tmp_path / "rounds.jsonl"), "continuations": str(cont), "seed": seed}}
     serve = shlex.join(serve_command(tiny_target, free_port(), "--dtype", "float32",
                                      "--speculative-config", json.dumps(replay)))
@@ -54,7 +71,8 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
     log = (tmp_path / "replay.server.log").read_text()
     print(run.stdout, run.stderr[-2000:], sep="\n")
     assert run.returncode == 0
-    assert "left its recorded greedy continuation" not in log
+    assert "is not in the continuations file" not in log
+    assert f"method='dflash', model='{hspec}', num_spec_tokens={K}" in log  # served as H-Spec is
     for name, expected in (("all", np.minimum(accepted, K)), ("w2", np.minimum(accepted, 1))):
         doc = json.loads((tmp_path / f"replay-{name}.json").read_text())
         assert doc["config"]["label"] == f"replay-{name}" and doc["config"]["switch"]["label"] == name

@@ -68,7 +68,7 @@ def test_our_verify_and_commit_equal_vllm_per_token_state_path():
         assert rel_err(ours_pool[int(slots[n])], vllm_state) < 1e-5, n
 
 
-# --- the H-Spec plugin's patches (vllm_hybridspec/plugin.py) ------------------------------------------
+# --- the H-Spec route (engine/config.py, engine/drafting/) ----------------------------------------------
 
 
 def test_symbols_the_hspec_plugin_patches_keep_their_shape():
@@ -126,7 +126,7 @@ def test_paged_kv_views_read_what_the_cpu_backend_writes():
     assert checked, "no CPU cache layout was checked on this machine"
 
 
-# --- length selection (vllm_internals: copy_counts_to_host .. patch_runner_length_trimming) ----------
+# --- length selection (engine/length/trimming.py) ----------------------------------------------------
 
 
 def test_symbols_the_length_trimming_relies_on_keep_their_shape():
@@ -163,25 +163,26 @@ def test_symbols_the_length_trimming_relies_on_keep_their_shape():
     assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
 
 
-def test_symbols_the_dynamic_draft_count_relies_on_keep_their_shape():
-    """vLLM passes the dynamic K to its own proposers but not to a custom_class one (else the patch is
-    moot), the field it comes from exists, and the runner method takes the scheduler output first."""
+def test_the_dflash_branch_passes_the_step_k_and_the_anchor():
+    """``GPUModelRunner.propose_draft_token_ids`` hands a DFlash proposer (``HSpecProposer`` and the
+    replay's subclass) the step's K (vLLM's dynamic speculative decoding:
+    ``SchedulerOutput.num_spec_tokens_to_schedule``), the anchors, the attention metadata and the
+    rejected counts that ``HSpecProposer.propose`` takes the prefix lengths from."""
+    import dataclasses
     import inspect
+    import re
 
-    from vllm.config import SpeculativeConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert "num_spec_tokens_to_schedule" in {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
-    assert list(inspect.signature(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).parameters)[:2] == [
-        "self", "scheduler_output"]
-    source = inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)).replace(" ", "")
+    source = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids)))
     assert "num_spec_tokens_to_schedule=scheduler_output.num_spec_tokens_to_schedule" in source
-    assert "num_speculative_tokens=num_spec_tokens_to_schedule" in source  # what vLLM's own proposers get
-    custom = source.split('elifspec_config.method=="custom_class":', 1)[1].split("elif", 1)[0]
-    assert "num_spec_tokens_to_schedule" not in custom
-    assert callable(SpeculativeConfig.uses_dynamic_speculative_decoding)
-    assert "self.speculative_config = " in inspect.getsource(GPUModelRunner.__init__)
+    branch = source.split("orspec_config.use_dflash()", 1)[1]
+    call = branch.split("draft_token_ids=self.drafter.propose(", 1)[1].split(")", 1)[0]
+    for argument in ("num_speculative_tokens=num_spec_tokens_to_schedule", "next_token_ids=next_token_ids",
+                     "common_attn_metadata=common_attn_metadata", "num_rejected_tokens_gpu=num_rejected_tokens_gpu"):
+        assert argument in call, argument
+    assert "num_spec_tokens_to_schedule" in {f.name for f in dataclasses.fields(SchedulerOutput)}
 
 
 class _Selector:
@@ -289,7 +290,7 @@ def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
     assert broadcast_from_tp_rank0(t) is t
 
 
-# --- the one-slot GDN layer (vllm_internals: vllm_cpu_gdn_paths .. patch_gdn_page_size) ------------
+# --- the one-slot GDN layer (engine/gdn/, engine/cpu/) -----------------------------------------------
 
 
 def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():

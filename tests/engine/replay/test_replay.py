@@ -1,5 +1,6 @@
-"""The replay proposer's logic (benchmarking only), without an engine: draws, corruption, the files,
-and a simulated greedy target driving ``ReplayBenchProposer`` round by round."""
+"""The replay's logic (benchmarking only), without an engine: draws, corruption, the files, the
+config's refusals, and a simulated greedy target driving the device lookup (``ReplayLookup``) round
+by round, paired with the host reference (``replayed_rounds``, ``corrupt``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_hybridspec.engine.replay.config import parse_replay_options, resolve_replay_speculative_config
 from vllm_hybridspec.engine.replay.data import (
@@ -19,6 +21,7 @@ from vllm_hybridspec.engine.replay.data import (
     replayed_rounds,
     save_continuations,
 )
+from vllm_hybridspec.engine.replay.lookup import COUNTERS, ReplayLookup
 from vllm_hybridspec.policy.errors import InputError
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
@@ -104,7 +107,6 @@ def test_continuations_file_errors(tmp_path, rng):
         "max_tokens": ([{**good, "max_tokens": 5}], r"line 1: field 'max_tokens' must be an integer in 1..len"),
         "extra": ([{**good, "prompt": "x"}], r"unknown fields \['prompt'\]"),
         "duplicate": ([good, good], r"prompt of 3 tokens starting \[1, 2, 3\] appears twice"),
-        "prefix": ([good, {**good, "prompt_token_ids": [1, 2, 3, 9]}], r"is a prefix of another prompt \(4 tokens\)"),
         "empty": ([], r"holds no requests"),
     }
     for name, (lines, message) in cases.items():
@@ -116,167 +118,234 @@ def test_continuations_file_errors(tmp_path, rng):
         load_continuations(tmp_path / "missing.jsonl")
 
 
-def test_continuations_find(tmp_path, rng):
+def test_continuations_are_found_by_their_exact_prompt(tmp_path, rng):
+    """A request's continuation is found by its whole prompt, so one prompt may be a prefix of another."""
     prompts = prefix_free_prompts(rng, 40)
+    prompts.append(prompts[0] + [7, 8])  # prompts[0] is a prefix of this one
     outputs = [rng.integers(0, VOCAB, 30).tolist() for _ in prompts]
     save_continuations([(p, o, 20) for p, o in zip(prompts, outputs)], tmp_path / "c.jsonl")
     cont = load_continuations(tmp_path / "c.jsonl")
-    assert isinstance(cont, Continuations) and len(cont.entries) == 40
-    for p, o in zip(prompts, outputs):
-        g = int(rng.integers(0, 31))
-        found = cont.find(np.array(p + o[:g]))
-        assert found is not None and found.prompt.tolist() == p and found.output.tolist() == o
-    assert cont.find(np.array([95] * 25)) is None or cont.find(np.array([95] * 25)).prompt.tolist() in prompts
+    assert isinstance(cont, Continuations) and len(cont.entries) == 41
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        assert cont.index(p) == i and cont.find(np.array(p)).output.tolist() == o
+    assert cont.index(prompts[0] + [7]) is None and cont.find(prompts[1][:-1]) is None
 
 
-def test_options_and_speculative_config(tmp_path, rng):
+def test_replay_config_refusals_name_the_bad_value(tmp_path, rng):
+    """What is refused before an H-Spec checkpoint is read (the engine tests cover the rest)."""
     write_records(tmp_path / "r.jsonl", rng, 50, 6)
     save_continuations([([1, 2, 3], [4, 5, 6, 7, 8], 2)], tmp_path / "c.jsonl")
     raw = {"records": str(tmp_path / "r.jsonl"), "continuations": str(tmp_path / "c.jsonl")}
+    assert parse_replay_options(raw, 4, VOCAB) == {**raw, "seed": 0}
     target = SimpleNamespace(get_vocab_size=lambda: VOCAB)
-    spec, extra = resolve_replay_speculative_config(
-        {"method": "replay_bench", "num_speculative_tokens": 4, "replay_bench": raw}, target)
-    assert spec == {"method": "custom_class", "num_speculative_tokens": 4,
-                    "model": "vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer"}
-    assert extra == {"replay_bench": {**raw, "seed": 0}}
     bad = [
-        ({"num_speculative_tokens": 4}, r'needs "replay_bench"'),
-        ({"num_speculative_tokens": 4, "replay_bench": raw, "model": "x"}, r'takes no "model"'),
-        ({"num_speculative_tokens": 0, "replay_bench": raw}, r'"num_speculative_tokens" >= 1, got 0'),
-        ({"num_speculative_tokens": 7, "replay_bench": raw}, r"D = 6 draft tokens"),
-        ({"num_speculative_tokens": 4, "replay_bench": {**raw, "seed": -1}}, r"seed\" must be an integer >= 0"),
-        ({"num_speculative_tokens": 4, "replay_bench": {**raw, "record": "x"}}, r"unknown \"replay_bench\" keys"),
-        ({"num_speculative_tokens": 4, "replay_bench": {"records": raw["records"]}}, r'needs "continuations"'),
-        ({"num_speculative_tokens": 4, "replay_bench": [1]}, r"must be a JSON object"),
+        ({"model": "h", "num_speculative_tokens": 4}, r'needs "replay_bench"'),
+        ({"num_speculative_tokens": 4, "replay_bench": raw}, r'needs "model": an H-Spec checkpoint .* got None'),
+        ({"model": "", "replay_bench": raw}, r"needs \"model\": an H-Spec checkpoint .* got ''"),
+        ({"model": "h", "num_speculative_tokens": 0, "replay_bench": raw}, r'"num_speculative_tokens" >= 1, got 0'),
     ]
     for spec_dict, message in bad:
         with pytest.raises(ValueError, match=message):
             resolve_replay_speculative_config({"method": "replay_bench", **spec_dict}, target)
+    bad_options = [
+        ({**raw, "seed": -1}, 4, r"seed\" must be an integer >= 0"),
+        ({**raw, "record": "x"}, 4, r"unknown \"replay_bench\" keys"),
+        ({"records": raw["records"]}, 4, r'needs "continuations"'),
+        ([1], 4, r"must be a JSON object"),
+        (raw, 7, r"D = 6 draft tokens"),
+    ]
+    for options, k, message in bad_options:
+        with pytest.raises(ValueError, match=message):
+            parse_replay_options(options, k, VOCAB)
     with pytest.raises(ValueError, match=r"token id 8 .* outside the target's vocabulary of 8"):
         parse_replay_options(raw, 4, vocab_size=8)
 
 
-def test_spec_config_routes_replay_bench(tmp_path, rng):
+def no_successor_sequence(rng, n):
+    """Random tokens in which no token is followed by ``(token + 1) % VOCAB``: the lookup's fallback
+    draft is never what such a target produces, so it is rejected at position 0."""
+    out = [int(rng.integers(VOCAB))]
+    while len(out) < n:
+        t = int(rng.integers(VOCAB))
+        if t != (out[-1] + 1) % VOCAB:
+            out.append(t)
+    return out
+
+
+def states_of(requests):
+    """What the lookup reads of vLLM's ``CachedRequestState``."""
+    return {r["id"]: SimpleNamespace(prompt_token_ids=r["prompt"], num_prompt_tokens=len(r["prompt"]),
+                                     sampling_params=SimpleNamespace(max_tokens=r["max_tokens"])) for r in requests}
+
+
+def simulate(lookup, requests, rng, k_max, order_rng, cut=None):
+    """A greedy target over shuffled batches: each round accepts the drafts' prefix that matches the
+    request's ``truth`` (what the target produces) plus one token; k per step drawn from 1..k_max;
+    ``cut(n)`` gives the drafts a length selector leaves. Requests that finished stay one more round in
+    the batch (as under async scheduling). Returns {(id, g): (planned, accepted, k, replayed)}."""
+    states = states_of(requests)
+    generated = {r["id"]: [r["truth"][0]] for r in requests}  # the prefill's token
+    by_id = {r["id"]: r for r in requests}
+    lingering: set[str] = set()
+    seen = {}
+    while True:
+        live = [r["id"] for r in requests if len(generated[r["id"]]) < r["max_tokens"]]
+        if not live:
+            return seen
+        ids = [live[i] for i in order_rng.permutation(len(live))] + sorted(lingering)
+        k = int(rng.integers(1, k_max + 1))
+        prefix = torch.tensor([len(by_id[i]["prompt"]) + len(generated[i]) - 1 for i in ids], dtype=torch.int32)
+        anchors = torch.tensor([generated[i][-1] for i in ids], dtype=torch.int32)
+        replay = lookup.plan(lookup.rows(ids, states), anchors, prefix, k)
+        kept = None if cut is None else torch.as_tensor(cut(len(ids)), dtype=torch.int32)
+        planned, verified = lookup.count(replay, kept)
+        lingering = set()
+        for row, i in enumerate(ids):
+            g = len(generated[i])
+            if g >= by_id[i]["max_tokens"]:
+                assert not replay.live[row] and verified[row] == 0
+                continue
+            draft = replay.tokens[row, : int(verified[row])].tolist()
+            truth = by_id[i]["truth"][g: g + len(draft) + 1]
+            accepted = int(np.cumprod(np.array(draft) == np.array(truth[: len(draft)])).sum()) if draft else 0
+            seen[(i, g)] = (int(planned[row]), accepted, k, bool(replay.accepted[row] > 0 or (
+                replay.live[row] and not replay.unrecorded[row] and not replay.left[row])))
+            generated[i] += truth[: accepted + 1]
+            if len(generated[i]) >= by_id[i]["max_tokens"]:
+                lingering.add(i)
+
+
+def replay_requests(rng, k, max_tokens, n=10):
+    """Recorded requests (the target produces their recording), one whose target output leaves its
+    recording at position 30, and one that was never recorded."""
+    prompts = [rng.integers(0, VOCAB, rng.integers(3, 20)).tolist() for _ in range(n + 1)]
+    prompts.append(prompts[0] + [5])  # one prompt a prefix of another
+    recorded = [rng.integers(0, VOCAB, max_tokens + k).tolist() for _ in range(n + 1)]
+    requests = [{"id": f"r{i}", "prompt": p, "truth": o, "max_tokens": max_tokens}
+                for i, (p, o) in enumerate(zip(prompts, recorded))]
+    leaving = requests[n]
+    leaving["truth"] = recorded[n][:30] + no_successor_sequence(rng, max_tokens + k - 30)
+    if leaving["truth"][30] == recorded[n][30]:
+        leaving["truth"][30] = (recorded[n][30] + 2) % VOCAB
+    unrecorded = {"id": "stranger", "prompt": [VOCAB - 1] * 25, "truth": no_successor_sequence(rng, max_tokens + k),
+                  "max_tokens": max_tokens}
+    entries = [(r["prompt"], o, max_tokens) for r, o in zip(requests, recorded)]
+    return requests + [unrecorded], entries
+
+
+def make_lookup(tmp_path, rng, k, max_tokens, d=None, num_slots=64, seed=None):
+    d = d or k + 2
+    probs = rng.dirichlet(np.ones(d + 1))
+    write_records(tmp_path / "r.jsonl", rng, 500, d, probs=probs, truncated_frac=0.1)
+    requests, entries = replay_requests(rng, k, max_tokens)
+    save_continuations(entries, tmp_path / "c.jsonl")
+    seed = int(rng.integers(1 << 30)) if seed is None else seed
+    rounds = load_replay_rounds(tmp_path / "r.jsonl", k)
+    lookup = ReplayLookup(load_continuations(tmp_path / "c.jsonl"), rounds, seed, VOCAB, 4096, "cpu", num_slots)
+    return lookup, requests, rounds, seed
+
+
+def test_lookup_against_a_simulated_greedy_target(tmp_path, rng):
+    k, max_tokens = 5, 90
+    lookup, requests, rounds, seed = make_lookup(tmp_path, rng, k, max_tokens, num_slots=2)
+    seen = simulate(lookup, requests, rng, k, rng)
+    stats = lookup.stats()
+    print(f"{len(seen)} rounds; stats {stats}")
+    by_id = {r["id"]: r for r in requests}
+    leaving, stranger = requests[-2]["id"], "stranger"
+    # (1) the draft is the host reference's: the recording corrupted at min(A_D, k) of the drawn record
+    cont = lookup.continuations
+    for (i, g), (planned, accepted, kk, replayed) in seen.items():
+        if not replayed:
+            continue
+        entry = cont.find(by_id[i]["prompt"])
+        a = int(rounds.accepted[replayed_rounds(seed, entry.key, g + 1, len(rounds.accepted))[g]])
+        assert planned == min(a, kk), (i, g)
+        draft = corrupt(entry.output[g: g + kk], a, VOCAB)
+        assert int(np.cumprod(draft == np.array(by_id[i]["truth"][g: g + kk])).sum()) == accepted
+    # (2) every round accepts exactly the plan, but the one where the leaving request's output
+    # leaves its recording (the recording promised more there)
+    for (i, g), (planned, accepted, _, _) in seen.items():
+        if i == leaving and g <= 30:
+            assert accepted <= planned
+        else:
+            assert accepted == planned, (i, g)
+    assert all(p == a == 0 for (i, g), (p, a, _, _) in seen.items() if i == stranger or (i == leaving and g > 30))
+    # (3) the counters
+    rounds_of = lambda i: sum(1 for (j, _) in seen if j == i)
+    assert stats["rounds"] == len(seen) and stats["draft_tokens"] == sum(kk for (_, _, kk, _) in seen.values())
+    assert stats["accepted_planned"] == sum(p for (p, _, _, _) in seen.values())
+    assert stats["unrecorded_requests"] == 1 and stats["unrecorded_rounds"] == rounds_of(stranger) == max_tokens - 1
+    assert stats["left_requests"] == 1
+    assert stats["left_rounds"] == sum(1 for (i, g) in seen if i == leaving and g > 30)
+    assert set(stats) == {*COUNTERS, "unrecorded_requests", "records_mean_accepted"}
+    # (4) the replayed acceptance follows the records' (k varies per step: compare min(A, k))
+    full = [(p, kk) for (i, _), (p, _, kk, r) in seen.items() if r and kk == k]
+    values = np.array([p for p, _ in full])
+    bound = 4 * rounds.accepted.std() / math.sqrt(len(values))
+    assert abs(values.mean() - rounds.accepted.mean()) < bound, (values.mean(), rounds.accepted.mean(), bound)
+    # (5) another batch order and fresh slots: the same rounds at the same places
+    again_lookup = ReplayLookup(cont, rounds, seed, VOCAB, 4096, "cpu", 64)
+    again = simulate(again_lookup, requests, np.random.default_rng(7), k, np.random.default_rng(8))
+    common = set(seen) & set(again)
+    assert len(common) > len(seen) / 4
+    assert all(seen[x][1] == again[x][1] or x[0] == leaving for x in common if seen[x][2] == again[x][2])
+
+
+def test_lookup_with_the_selectors_cut(tmp_path, rng):
+    """The length selector's kept drafts cap what is verified, and a greedy target accepts min(A, kept)."""
+    k, max_tokens = 4, 50
+    lookup, requests, _, _ = make_lookup(tmp_path, rng, k, max_tokens)
+    seen = simulate(lookup, requests, rng, k, rng, cut=lambda n: rng.integers(0, k + 1, n))
+    assert all(a == p for (i, g), (p, a, _, _) in seen.items() if i != requests[-2]["id"])
+    stats = lookup.stats()
+    print(stats)
+    assert stats["rounds"] < len(seen)  # rows cut to 0 drafts are no round
+    assert stats["accepted_planned"] == sum(p for (p, _, _, _) in seen.values())
+
+
+def test_a_new_request_in_a_used_slot_starts_on_the_recording(tmp_path, rng):
+    """Slots of finished requests are reused (two slots for twelve requests here); the flag of a request
+    that left its recording is not inherited."""
+    k, max_tokens = 3, 40
+    lookup, requests, _, _ = make_lookup(tmp_path, rng, k, max_tokens, num_slots=2)
+    leaving = requests[-2]
+    first = [leaving, requests[-1]]
+    simulate(lookup, first, rng, k, rng)
+    before = lookup.stats()
+    assert before["left_requests"] == 1 and before["left_rounds"] > 0 and lookup.left.numel() == 2
+    rest = requests[:-2]  # the first two finished: the runner no longer holds them
+    seen = simulate(lookup, rest, rng, k, rng)
+    after = lookup.stats()
+    assert all(a == p for (a, p, _, _) in seen.values())
+    assert (after["left_requests"], after["left_rounds"]) == (1, before["left_rounds"])
+    assert after["accepted_planned"] - before["accepted_planned"] == sum(p for (p, _, _, _) in seen.values()) > 0
+    assert lookup.left.numel() >= len(rest)  # all ten decode together: the flags grew
+
+
+def test_a_config_only_drafter_serves_the_replay_with_dummy_weights(tmp_path, rng):
+    """The 35B-shape recipe's drafter (``hybridspec full-shape``'s ``hspec/``) has a config.json and no
+    weights: the replay resolves as ``"hspec"`` does, with the engine's load format, so dummy weights
+    pass and a missing weight file is refused otherwise."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
     from vllm_hybridspec.engine.config import resolve_speculative_config
 
+    models = Path(__file__).resolve().parents[3] / "models"
+    drafter = tmp_path / "hspec"
+    drafter.mkdir()
+    shutil.copy(models / "dense-hspec" / "config.json", drafter / "config.json")
+    hf_config = AutoConfig.from_pretrained(models / "dense")
+    target = SimpleNamespace(hf_config=hf_config, get_vocab_size=lambda: hf_config.vocab_size)
     write_records(tmp_path / "r.jsonl", rng, 50, 6)
     save_continuations([([1, 2, 3], [4, 5, 6, 7, 8], 2)], tmp_path / "c.jsonl")
-    raw = {"records": str(tmp_path / "r.jsonl"), "continuations": str(tmp_path / "c.jsonl"), "seed": 3}
-    spec, extra = resolve_speculative_config(
-        {"method": "replay_bench", "num-speculative-tokens": 4, "replay_bench": raw,
-         "hybridspec": {"fixed_length": 3}}, SimpleNamespace(get_vocab_size=lambda: VOCAB))
-    assert spec["method"] == "custom_class" and extra["replay_bench"]["seed"] == 3
-    assert extra["hybridspec"]["fixed_length"] == 3
-    with pytest.raises(ValueError, match="'replay_bench', for benchmarking only"):
-        resolve_speculative_config({"method": "replay-bench", "num_speculative_tokens": 4}, None)
-
-
-def fake_vllm_config(tmp_path, k, seed, hybridspec=None, max_num_seqs=16):
-    extra = {"replay_bench": {"records": str(tmp_path / "r.jsonl"), "continuations": str(tmp_path / "c.jsonl"),
-                              "seed": seed}}
-    if hybridspec is not None:
-        extra["hybridspec"] = hybridspec
-    return SimpleNamespace(
-        additional_config=extra, speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=4096),
-        device_config=SimpleNamespace(device="cpu"), scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
-
-
-def simulate(proposer, prompts, outputs, max_tokens, order_rng):
-    """A greedy target over a shuffled batch: each round accepts the drafts' matching prefix of the
-    true continuation plus one token. Returns {(prompt index, position): accepted} and the draft lengths."""
-    k = proposer.k
-    generated = {i: [outputs[i][0]] for i in range(len(prompts))}  # the prefill's token
-    seen, lengths = {}, []
-    while True:
-        live = [i for i in generated if len(generated[i]) < max_tokens]
-        if not live:
-            return seen, lengths
-        rows = list(order_rng.permutation(live))
-        width = max(len(prompts[i]) + len(generated[i]) for i in rows)
-        token_ids = np.zeros((len(rows), width + k + 1), dtype=np.int32)
-        num = np.zeros(len(rows), dtype=np.int32)
-        for r, i in enumerate(rows):
-            seq = prompts[i] + generated[i]
-            token_ids[r, :len(seq)], num[r] = seq, len(seq)
-        drafts = proposer.propose([[1]] * len(rows), num, token_ids)
-        for r, i in enumerate(rows):
-            g = len(generated[i])
-            true = outputs[i][g: g + len(drafts[r]) + 1]
-            a = int(np.cumprod(np.array(drafts[r]) == np.array(true[:len(drafts[r])])).sum())
-            assert a == proposer.last_accepted[r]
-            seen[(i, g)] = a
-            lengths.append(len(drafts[r]))
-            generated[i] += true[:a + 1]
-
-
-def test_proposer_against_a_simulated_greedy_target(tmp_path, rng):
-    from vllm_hybridspec.engine.replay.proposer import ReplayBenchProposer
-
-    k, d, max_tokens = 5, 7, 120
-    probs = rng.dirichlet(np.ones(d + 1))
-    accepted, truncated = write_records(tmp_path / "r.jsonl", rng, 500, d, probs=probs, truncated_frac=0.1)
-    pool = np.minimum(accepted[~truncated], k)
-    prompts = prefix_free_prompts(rng, 12)
-    outputs = [rng.integers(0, VOCAB, max_tokens + k).tolist() for _ in prompts]
-    save_continuations([(p, o, max_tokens) for p, o in zip(prompts, outputs)], tmp_path / "c.jsonl")
-    seed = int(rng.integers(1 << 30))
-
-    proposer = ReplayBenchProposer(fake_vllm_config(tmp_path, k, seed))
-    seen, lengths = simulate(proposer, prompts, outputs, max_tokens, rng)
-    assert set(lengths) == {k}  # outputs recorded K past max_tokens: every round drafts K
-    values = np.array(list(seen.values()))
-    bound = 4 * pool.std() / math.sqrt(len(values))
-    print(f"{len(values)} rounds: mean accepted {values.mean():.3f}, records {pool.mean():.3f} +- {bound:.3f}")
-    assert abs(values.mean() - pool.mean()) < bound
-    stats = proposer.stats()
-    assert stats["rounds"] == len(values) and stats["accepted_planned"] == values.sum()
-    assert stats["draft_tokens"] == k * len(values) and stats["diverged_requests"] == 0
-    assert proposer.last_draft.tokens.shape == proposer.last_draft.top1_prob.shape == (len(proposer.last_accepted), k)
-
-    # another batch order (and a fresh proposer): the same rounds at the same places
-    again, _ = simulate(ReplayBenchProposer(fake_vllm_config(tmp_path, k, seed)), prompts, outputs, max_tokens, rng)
-    assert again == seen
-
-    # unknown prompt: an error naming it
-    with pytest.raises(ValueError, match=r"batch row 0, 3 tokens so far, starting \[95, 95, 95\]\) matches no "
-                                         r"prompt of the continuations file"):
-        stranger = np.array([[95, 95, 95]], dtype=np.int32)
-        if proposer.continuations.find(stranger[0].astype(np.int64)) is not None:
-            pytest.fail("the random prompts happen to start with 95 95 95; rerun")
-        proposer.propose([[1]], np.array([3]), stranger)
-
-
-def test_proposer_with_fixed_verification_length(tmp_path, rng):
-    """The length selector (here "fixed_length": 3 verifies 2 drafts) cuts the replayed drafts; a
-    greedy target then accepts min(A, 2)."""
-    from vllm_hybridspec.engine.replay.proposer import ReplayBenchProposer
-
-    k, d, max_tokens = 4, 4, 60
-    write_records(tmp_path / "r.jsonl", rng, 200, d)
-    prompts = prefix_free_prompts(rng, 6)
-    outputs = [rng.integers(0, VOCAB, max_tokens + k).tolist() for _ in prompts]
-    save_continuations([(p, o, max_tokens) for p, o in zip(prompts, outputs)], tmp_path / "c.jsonl")
-    proposer = ReplayBenchProposer(fake_vllm_config(tmp_path, k, 1, hybridspec={"fixed_length": 3, "gate": False}))
-    seen, lengths = simulate(proposer, prompts, outputs, max_tokens, rng)
-    assert max(lengths) == 2 and set(lengths) <= {0, 1, 2}  # fewer only at the end of the output budget
-    assert lengths.count(2) > 0.8 * len(lengths)
-    assert max(seen.values()) <= 2 and proposer.length_selector.stats()["rows_at_length"].get(3, 0) > 0
-
-
-def test_vllm_custom_class_interface(monkeypatch):
-    """The vLLM 0.26 symbols the replay proposer relies on (vllm_internals.check_custom_class_proposer_interface)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_hybridspec.engine.replay.proposer import check_custom_class_proposer_interface
-
-    check_custom_class_proposer_interface()
-
-    def changed(self, scheduler_output, sampled_token_ids, *args):
-        if self.speculative_config.method == "custom_class":
-            return self.drafter.propose(sampled_token_ids, self.input_batch.token_ids_cpu)
-        return None
-
-    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", changed)
-    with pytest.raises(RuntimeError, match="vLLM changed: GPUModelRunner.propose_draft_token_ids no longer calls"):
-        check_custom_class_proposer_interface()
+    spec = {"method": "replay_bench", "model": str(drafter), "num_speculative_tokens": 4,
+            "replay_bench": {"records": str(tmp_path / "r.jsonl"), "continuations": str(tmp_path / "c.jsonl")}}
+    resolved, extra = resolve_speculative_config(spec, target, "dummy")
+    assert resolved == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
+    assert extra["replay_bench"]["seed"] == 0
+    with pytest.raises(ValueError, match=r"has no weights: .*load_format='dummy' for random weights"):
+        resolve_speculative_config(spec, target, "auto")

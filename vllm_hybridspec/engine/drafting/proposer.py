@@ -30,6 +30,7 @@ from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
 from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.options import hybridspec_options
+from vllm_hybridspec.engine.replay.config import replay_options
 
 
 class RunnerDFlashProposer(DFlashProposer):
@@ -43,8 +44,13 @@ class RunnerDFlashProposer(DFlashProposer):
     decoding does) and only verifies nothing."""
 
     def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
-        hspec = cls is RunnerDFlashProposer and is_hspec_speculative_config(vllm_config.speculative_config)
-        return object.__new__(HSpecProposer if hspec else cls)
+        if cls is not RunnerDFlashProposer or not is_hspec_speculative_config(vllm_config.speculative_config):
+            return object.__new__(cls)
+        if replay_options(vllm_config) is not None:  # benchmarking only (engine/replay/)
+            from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer
+
+            return object.__new__(ReplayHSpecProposer)
+        return object.__new__(HSpecProposer)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -189,6 +195,7 @@ class HSpecProposer(RunnerDFlashProposer):
         if block is None:
             prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len, prefix_lens)
             block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
+        block = self._draft_block(block, next_token_ids[:N], prefix_lens)
         self.last_draft = block
         w_rem = None  # [N], computed once for the capture and the selector
         if self.round_capture is not None or (selector is not None and selector.trims):
@@ -198,6 +205,11 @@ class HSpecProposer(RunnerDFlashProposer):
         if selector is not None and selector.trims:
             selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)
         return block.tokens
+
+    def _draft_block(self, block: DraftBlock, anchors: torch.Tensor, prefix_lens: torch.Tensor) -> DraftBlock:
+        """The round's drafts as the length selector, the capture and the runner see them: the drafter's
+        own; the replay benchmark's subclass (``engine/replay/proposer.py``) puts replayed ones in."""
+        return block
 
     @torch.inference_mode()
     def dummy_run(

@@ -1,16 +1,17 @@
-"""``--speculative-config '{"method": "replay_bench", ...}'``: validated in the main process and translated
-to what vLLM 0.26 runs (benchmarking only; the proposer is ``proposer.ReplayBenchProposer``)."""
+"""``--speculative-config '{"method": "replay_bench", "model": <H-Spec checkpoint>, ...}'``: validated in the
+main process and translated to what vLLM 0.26 runs for H-Spec (benchmarking only; the proposer is
+``proposer.ReplayHSpecProposer``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from vllm_hybridspec.engine.compat import HSPEC_METHOD
 from vllm_hybridspec.engine.replay.data import load_continuations, load_replay_rounds
 from vllm_hybridspec.policy.errors import InputError
 
 REPLAY_METHOD = "replay_bench"
 REPLAY_CONFIG_KEY = "replay_bench"  # the sub-dict of --speculative-config and of additional_config
-REPLAY_PROPOSER_CLASS = "vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer"
 
 
 def parse_replay_options(raw, k: int, vocab_size: int | None = None) -> dict:
@@ -43,26 +44,35 @@ def parse_replay_options(raw, k: int, vocab_size: int | None = None) -> dict:
             "continuations": str(Path(raw["continuations"]).resolve()), "seed": seed}
 
 
-def resolve_replay_speculative_config(spec: dict, target_model_config) -> tuple[dict, dict]:
-    """``{"method": "replay_bench", "num_speculative_tokens": K, "replay_bench": {...}}`` as vLLM's
-    ``"custom_class"`` method with :class:`~vllm_hybridspec.engine.replay.proposer.ReplayBenchProposer`;
-    the validated options travel to the workers in ``additional_config["replay_bench"]``."""
+def resolve_replay_speculative_config(spec: dict, target_model_config, load_format: str = "auto",
+                                      ) -> tuple[dict, dict]:
+    """``{"method": "replay_bench", "model": <H-Spec checkpoint>, "num_speculative_tokens": K,
+    "replay_bench": {...}}`` as what an H-Spec config becomes (vLLM's ``"dflash"`` method with the
+    checkpoint as its draft, validated against the target as for ``"hspec"``, its weight files as the
+    engine's ``load_format`` reads them: none with ``"dummy"``); the validated options
+    travel to the workers in ``additional_config["replay_bench"]``, where they make the runner's DFlash
+    proposer a :class:`~vllm_hybridspec.engine.replay.proposer.ReplayHSpecProposer`."""
+    from vllm_hybridspec.engine.config import resolve_speculative_config
+
     spec = dict(spec)
     raw = spec.pop(REPLAY_CONFIG_KEY, None)
     if raw is None:
         raise InputError(f'speculative method "{REPLAY_METHOD}" (benchmarking only) needs "{REPLAY_CONFIG_KEY}": '
                          f'{{"records": <round records JSONL>, "continuations": <continuations JSONL>}}')
-    if spec.get("model") is not None:
-        raise InputError(f'speculative method "{REPLAY_METHOD}" replays recorded continuations and takes no '
-                         f'"model" (got {spec["model"]!r})')
+    if not spec.get("model"):
+        raise InputError(f'speculative method "{REPLAY_METHOD}" needs "model": an H-Spec checkpoint (the drafter '
+                         f'that runs every round, whose drafts are then replaced by replayed ones), got '
+                         f'{spec.get("model")!r}')
     k = spec.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise InputError(f'speculative method "{REPLAY_METHOD}" needs "num_speculative_tokens" >= 1, got {k!r}')
-    from vllm_hybridspec.engine.compat import check_vllm_version
-    from vllm_hybridspec.engine.replay.proposer import check_custom_class_proposer_interface
-
-    check_vllm_version()
-    check_custom_class_proposer_interface()
+    resolved, _ = resolve_speculative_config({**spec, "method": HSPEC_METHOD}, target_model_config, load_format)
     vocab = target_model_config.get_vocab_size() if target_model_config is not None else None
-    options = parse_replay_options(raw, k, vocab)
-    return {**spec, "method": "custom_class", "model": REPLAY_PROPOSER_CLASS}, {REPLAY_CONFIG_KEY: options}
+    options = parse_replay_options(raw, resolved["num_speculative_tokens"], vocab)
+    return resolved, {REPLAY_CONFIG_KEY: options}
+
+
+def replay_options(vllm_config) -> dict | None:
+    """The ``"replay_bench"`` options :func:`resolve_replay_speculative_config` put in the workers'
+    ``VllmConfig.additional_config``, or ``None`` (not a replay engine)."""
+    return (getattr(vllm_config, "additional_config", None) or {}).get(REPLAY_CONFIG_KEY)

@@ -1,4 +1,4 @@
-"""Replayed acceptance, for benchmarking only (issue 7, deliverable 3).
+"""Replayed acceptance, for benchmarking only: its two input files and the host reference of its draws.
 
 Measuring a full-size target (e.g. the Qwen3.6-35B-A3B shape) needs no trained weights if the
 draft's acceptance is replayed rather than produced: under greedy decoding, speculation does not
@@ -6,17 +6,18 @@ change the output, so each request's continuation can be recorded once by plain 
 proposed back to the target during the measured run, corrupted at a rejection point ``A`` drawn from
 recorded rounds (``policy/records.py``). Exactly ``A`` drafts are then accepted (``A = K``: all of
 them), and the round carries the recorded round's top-1 confidences and entropies, so a length
-policy sees realistic signals. The proposer itself is ``replay_proposer.ReplayBenchProposer``.
+policy sees realistic signals. ``corrupt`` and ``replayed_rounds`` here are the host reference of
+the device lookup (``lookup.py``); the proposer is ``proposer.ReplayHSpecProposer``.
 
 Two files:
 
-* continuations (JSONL, :func:`record_continuations`), one request per line::
+* continuations (JSONL, ``hybridspec replay-record``), one request per line::
 
       {"prompt_token_ids": [...], "output_token_ids": [...], "max_tokens": 256}
 
   ``output_token_ids``: the target's greedy continuation (EOS ignored), recorded ``K`` tokens past
   ``max_tokens`` (the benchmark's output length) so the last rounds' drafts are known too.
-  No prompt may be a prefix of another (the proposer finds a request's prompt by its tokens).
+  Each prompt appears once (the proposer finds a request's continuation by its prompt tokens).
 * round records: the ``policy/records.py`` format; rounds cut by EOS or the output limit
   (``truncated``) are not replayed, and ``D >= K`` is needed (position ``i`` of a draft of ``K``
   replays position ``i`` of the record; ``A = min(A_D, K)``).
@@ -89,37 +90,27 @@ def prompt_key(prompt: np.ndarray) -> int:
 
 
 class Continuations:
-    """The recorded greedy continuations, found by the tokens of a request (prompt + output so far)."""
+    """The recorded greedy continuations, found by a request's prompt tokens."""
 
     def __init__(self, entries: list[Continuation], path: str = "<memory>"):
         if not entries:
             raise InputError(f"continuations file '{path}' holds no requests")
         self.entries = entries
         self.path = path
-        self.min_prompt_len = min(len(e.prompt) for e in entries)
-        self._by_head: dict[bytes, list[Continuation]] = {}
-        for e in entries:
-            self._by_head.setdefault(e.prompt[: self.min_prompt_len].tobytes(), []).append(e)
-        for group in self._by_head.values():
-            for a in group:
-                for b in group:
-                    if a is not b and len(a.prompt) <= len(b.prompt) and np.array_equal(b.prompt[: len(a.prompt)],
-                                                                                         a.prompt):
-                        what = "appears twice" if len(a.prompt) == len(b.prompt) else (
-                            f"is a prefix of another prompt ({len(b.prompt)} tokens)")
-                        raise InputError(f"continuations file '{path}': the prompt of {len(a.prompt)} tokens "
-                                         f"starting {a.prompt[:8].tolist()} {what}; the replay finds a "
-                                         f"request's prompt by its tokens, so each must be unique and none a "
-                                         f"prefix of another")
+        self._by_prompt: dict[bytes, int] = {}  # prompt tokens (int64 bytes) -> index in entries
+        for i, e in enumerate(entries):
+            if self._by_prompt.setdefault(e.prompt.tobytes(), i) != i:
+                raise InputError(f"continuations file '{path}': the prompt of {len(e.prompt)} tokens starting "
+                                 f"{e.prompt[:8].tolist()} appears twice; record each prompt once")
 
-    def find(self, tokens: np.ndarray) -> Continuation | None:
-        """The entry whose prompt starts ``tokens`` (a request's prompt + output so far), or ``None``."""
-        if len(tokens) < self.min_prompt_len:
-            return None
-        for e in self._by_head.get(tokens[: self.min_prompt_len].tobytes(), ()):
-            if len(tokens) >= len(e.prompt) and np.array_equal(tokens[: len(e.prompt)], e.prompt):
-                return e
-        return None
+    def index(self, prompt) -> int | None:
+        """The index in ``entries`` of the continuation of ``prompt`` (token ids), or ``None``."""
+        return self._by_prompt.get(np.asarray(prompt, dtype=np.int64).tobytes())
+
+    def find(self, prompt) -> Continuation | None:
+        """The continuation recorded for exactly ``prompt`` (token ids), or ``None``."""
+        i = self.index(prompt)
+        return None if i is None else self.entries[i]
 
 
 def load_continuations(path: str | Path) -> Continuations:
