@@ -11,6 +11,9 @@
 #                                        # ngram + one-slot GDN against plain decoding (float32)
 #   bash scripts/gpu_session.sh bisect   # the smoke comparison with the engine eager, piecewise only, full graphs
 #                                        # without the extra lengths, by default, and vLLM's own GDN path
+#   bash scripts/gpu_session.sh fullcheck # batch size 1 under vLLM's default graphs: plain, vLLM's own GDN path, and the
+#                                        # one-slot layer kept in full graphs with its recorded self-check
+#                                        # (VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph, engine/gdn/check.py)
 #   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
 #                                        # verification length (w = 1, 2, 4 with the plugin's graphs, 8 = K + 1)
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
@@ -93,6 +96,21 @@ bisect)
   grep 'hspec-check' "$R/bisect.log" | grep -v sampled | head -12 | cut -c1-330
   grep 'hspec-check' "$R/bisect.log" | awk '{for(i=1;i<=NF;i++) if($i=="out") print $(i+1), $(i+3), $(i+5)}' | sort -g -r | head -3
   gzip -f "$R/bisect.log"
+  ;;
+fullcheck)
+  [ -d /tmp/tiny-hybrid ] || bash scripts/gpu_session.sh smoke-model
+  NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
+  export VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph
+  run fullcheck python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
+    --num-prompts 24 --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 1 --gpu-mem 0.2 --isolate \
+    --logprobs --engine-args "$ENG" --config plain=none \
+    --config one_slot_full="{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
+    --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/fullcheck.json"
+  unset VLLM_HYBRIDSPEC_CHECK_ROUNDS
+  echo "recorded self-check lines: $(grep -c 'hspec-check (recorded)' "$R/fullcheck.log")"
+  grep 'hspec-check (recorded)' "$R/fullcheck.log" | head -8 | cut -c1-300
+  grep 'hspec-check (recorded)' "$R/fullcheck.log" | awk '{for(i=1;i<=NF;i++) if($i=="out") print $(i+1), $(i+3), $(i+5)}' | sort -g -r | head -3
+  gzip -f "$R/fullcheck.log"
   ;;
 modes)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

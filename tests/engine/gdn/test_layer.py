@@ -490,15 +490,27 @@ def test_the_lazy_commit_check_catches_planted_bugs(corrupt):
     assert err > 1e-2, (seed, err)
 
 
+@pytest.mark.parametrize("mode", ["1", "graph"])
 @pytest.mark.parametrize("kernels, corrupt", [(False, None), (True, None), (False, "no-conv-shift")])
-def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(monkeypatch, kernels, corrupt):
+def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(monkeypatch, mode, kernels, corrupt):
     """``VLLM_HYBRIDSPEC_CHECK_ROUNDS=1`` (``engine/gdn/check.py``) recomputes every round with the torch
-    references from a copy of the pool: on the correct layer its worst error is float32 noise; with the
-    conv window left unshifted it reports the difference."""
+    references from a copy of the pool; ``=graph`` does it from device snapshots that a captured forward
+    refreshes too, checked after each step (here from ``PendingRounds.sampled``, as the runner's
+    after-sampling hook does). On the correct layer the worst error is float32 noise; with the conv
+    window left unshifted both report the difference."""
     from vllm_hybridspec.engine.gdn import check
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
 
-    monkeypatch.setenv(check.CHECK_ENV, "1")
+    monkeypatch.setenv(check.CHECK_ENV, mode)
     monkeypatch.setattr(check, "_state", {"calls": 0, "worst": 0.0})
+    if mode == "graph":
+        sampled = PendingRounds.sampled
+
+        def checked_then_sampled(self, out):
+            check.check_recorded_steps([layer for layers in self.groups.values() for layer in layers])
+            return sampled(self, out)
+
+        monkeypatch.setattr(PendingRounds, "sampled", checked_then_sampled)
     seed = int.from_bytes(os.urandom(4), "little") >> 1
     simulate(seed, kernels, 14 if kernels else 30, corrupt=corrupt)
     worst = check._state["worst"]

@@ -7,8 +7,11 @@ the relative errors of the outputs, the committed states and the windows are log
 layout. It answers, on a GPU where a served comparison disagrees with plain decoding, whether the
 layer computes what its layout says (kernels, conv, commit) or is handed the wrong layout.
 
-It reads device tensors on the host (slow), and a forward replayed from a full CUDA graph is not
-checked (nothing runs on the host then): run it with ``enforce_eager`` or piecewise graphs."""
+It reads device tensors on the host (slow). With ``=1`` a forward replayed from a full CUDA graph is not
+checked (nothing runs on the host then). With ``=graph`` every forward, captured ones included, copies
+its inputs, outputs, layout and the touched states into per-shape device buffers (:class:`StepRecord`),
+and after each step the host recomputes the last forward of each shape from them: this checks the
+layer inside full graphs."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ _state = {"calls": 0, "worst": 0.0}
 
 
 def check_enabled() -> bool:
-    return os.environ.get(CHECK_ENV, "") not in ("", "0")
+    return os.environ.get(CHECK_ENV, "") not in ("", "0", "graph")
 
 
 def _capturing() -> bool:
@@ -121,9 +124,170 @@ def _dim_first() -> bool:
 
 def log_sampled(rounds, output_token_ids: torch.Tensor) -> None:
     """With the check on: each row's accepted count and the slab it goes to, for the log."""
-    if not check_enabled() or _capturing() or _state["calls"] > LOGGED_STEPS:
+    if not (check_enabled() or graph_check_enabled()) or _capturing() or _state["calls"] > LOGGED_STEPS:
         return
     n = output_token_ids.shape[0]
     counts = (output_token_ids != -1).sum(dim=1).tolist()
     logger.warning("hspec-check sampled: counts=%s row_slab=%s single=%s", counts,
                    rounds.plan_dev[3, :n].tolist(), rounds.plan_dev[4, :n].tolist())
+
+
+# --- the same check inside CUDA graphs (VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph) ---------------------------
+
+
+def graph_check_enabled() -> bool:
+    return os.environ.get(CHECK_ENV, "") == "graph"
+
+
+class StepRecord:
+    """Device snapshots of one layer's forward for one round layout shape ``(n, T)``: the slots' states
+    and windows before and after, the pending rounds' factors and inputs, the forward's inputs and
+    outputs and its layout, refreshed by pure device copies at every forward of that shape, so a
+    forward replayed from a full CUDA graph refreshes them too. :meth:`check` recomputes the forward
+    on the host from them and compares (``stamp`` tells whether they changed since the last look)."""
+
+    def __init__(self, layer, n: int, T: int, x: torch.Tensor, out: torch.Tensor):
+        from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+
+        pool, conv = _pool(layer), vllm_cpu_gdn_paths().conv_view(layer)
+        f, S, dev = layer.factor_slabs, layer.slab_len, pool.device
+
+        def zeros(shape, dtype):
+            return torch.zeros(tuple(shape), dtype=dtype, device=dev)
+
+        self.n, self.T, self.S = n, T, S
+        self.pool_before, self.pool_after = (zeros((n, *pool.shape[1:]), pool.dtype) for _ in range(2))
+        self.conv_before, self.conv_after = (zeros((n, *conv.shape[1:]), conv.dtype) for _ in range(2))
+        self.pz = zeros((n * S, *f.z.shape[1:]), f.z.dtype)
+        self.pk = zeros((n * S, *f.k.shape[1:]), f.k.dtype)
+        self.pg = zeros((n * S, *f.g_cum.shape[1:]), f.g_cum.dtype)
+        self.inputs = zeros((n * S, layer.input_slab.shape[1]), layer.input_slab.dtype)
+        self.x = zeros((T, x.shape[1]), x.dtype)
+        self.out = zeros((T, *out.shape[1:]), out.dtype)
+        self.b = zeros((T, out.shape[1]), x.dtype)
+        self.a = zeros((T, out.shape[1]), x.dtype)
+        self.ints = zeros((6, n + 1), torch.int32)  # slots, cu, slab, pending entry, pending m, target entry
+        self.stamp = zeros((), torch.int64)
+        self.seen = 0
+
+    def before(self, layer, layout) -> None:
+        from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+
+        n, S = self.n, self.S
+        slots = layout.slots.long()
+        self.pool_before.copy_(_pool(layer).index_select(0, slots))
+        self.conv_before.copy_(vllm_cpu_gdn_paths().conv_view(layer).index_select(0, slots))
+        offsets = torch.arange(S, device=slots.device)
+        rows = (layout.pending_entry.clamp(min=0).long()[:, None] * S + offsets).reshape(-1)
+        f = layer.factor_slabs
+        self.pz.copy_(f.z.index_select(0, rows))
+        self.pk.copy_(f.k.index_select(0, rows))
+        self.pg.copy_(f.g_cum.index_select(0, rows))
+        self.inputs.copy_(layer.input_slab.index_select(0, (layout.slab.long()[:, None] * S + offsets).reshape(-1)))
+        for row, t in enumerate((layout.slots, layout.cu, layout.slab, layout.pending_entry, layout.pending_m,
+                                 layout.target_entry)):
+            self.ints[row, : t.shape[0]].copy_(t)
+
+    def after(self, layer, layout, x, b_s, a_s, out) -> None:
+        from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+
+        T = self.T
+        slots = layout.slots.long()
+        self.x.copy_(x[:T])
+        self.b.copy_(b_s[:T])
+        self.a.copy_(a_s[:T])
+        self.out.copy_(out[:T])
+        self.pool_after.copy_(_pool(layer).index_select(0, slots))
+        self.conv_after.copy_(vllm_cpu_gdn_paths().conv_view(layer).index_select(0, slots))
+        self.stamp.add_(1)
+
+    def check(self, layer) -> tuple[float, float, float, list] | None:
+        """``(out, state, window)`` relative errors of the last forward recorded here against the torch
+        references from its snapshots, and its layout rows; ``None`` if nothing was recorded since the
+        last call."""
+        from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+        from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
+        from vllm_hybridspec.kernels.gdn import VerifyFactors, commit_verify_, gdn_gating
+
+        stamp = int(self.stamp)
+        if stamp == self.seen:
+            return None
+        self.seen = stamp
+        n, S, dev = self.n, self.S, self.x.device
+        ints = self.ints.tolist()
+        slots, cu, pending, m = ints[0][:n], ints[1][: n + 1], ints[3][:n], ints[4][:n]
+        live = [i for i in range(n) if slots[i] > 0 and cu[i + 1] > cu[i]]
+        # a shadow pool of n + 1 slots (position i in slot i + 1), slabs of 2n entries (pending i, target n + i)
+        state = torch.zeros((n + 1, *self.pool_before.shape[1:]), dtype=self.pool_before.dtype, device=dev)
+        state[1:] = self.pool_before
+        conv = torch.zeros((n + 1, *self.conv_before.shape[1:]), dtype=self.conv_before.dtype, device=dev)
+        conv[1:] = self.conv_before
+        shadow_slots = torch.tensor([i + 1 if i in live else 0 for i in range(n)], dtype=torch.int32, device=dev)
+        pend = torch.tensor([i if pending[i] >= 0 else -1 for i in range(n)], dtype=torch.int32, device=dev)
+        m_dev = torch.tensor(m, dtype=torch.int32, device=dev)
+        shadow = SimpleNamespace(kv_cache=(conv if _dim_first() else conv.transpose(-1, -2), state),
+                                 input_slab=self.inputs.clone(), slab_len=S)
+        commit_conv_windows(shadow, shadow_slots, torch.arange(n, dtype=torch.int32, device=dev),
+                            torch.where(pend >= 0, m_dev, 0))
+        cpu = vllm_cpu_gdn_paths()
+        weight = cpu.conv_weight(layer)
+        conv_out = torch.zeros_like(self.x)
+        for i in live:
+            s, e = cu[i], cu[i + 1]
+            conv_out[s:e] = cpu.conv_update(self.x[s:e].T[None], conv[i + 1].clone()[None], weight,
+                                            layer.conv1d.bias, layer.activation)[0].T
+        q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv_out))
+        g, beta = gdn_gating(layer.A_log, self.a, layer.dt_bias, self.b)
+        f = layer.factor_slabs
+        slabs = VerifyFactors(torch.cat([self.pz, torch.zeros_like(self.pz)]),
+                              torch.cat([self.pk, torch.zeros_like(self.pk)]),
+                              torch.cat([self.pg, torch.zeros_like(self.pg)]))
+        del f
+        ref = commit_verify_(q, k, v, g, beta, state, shadow_slots, torch.tensor(cu, dtype=torch.int32, device=dev),
+                             slabs, S, pend, m_dev, torch.arange(n, 2 * n, dtype=torch.int32, device=dev))
+        if not live:
+            return 0.0, 0.0, 0.0, ints
+        rows = torch.cat([torch.arange(cu[i], cu[i + 1], device=dev) for i in live])
+        idx = torch.tensor(live, device=dev)
+        err_out = _rel(self.out.index_select(0, rows).float(), ref.index_select(0, rows).float())
+        err_state = _rel(self.pool_after.index_select(0, idx), state[1:].index_select(0, idx))
+        err_window = _rel(self.conv_after.index_select(0, idx), conv[1:].index_select(0, idx))
+        return err_out, err_state, err_window, ints
+
+
+def _pool(layer) -> torch.Tensor:
+    return layer.kv_cache[1] if layer.kernels else layer.state_pool()
+
+
+def graph_record(layer, layout, x: torch.Tensor, out_like: torch.Tensor) -> StepRecord:
+    """The layer's :class:`StepRecord` for this layout's shape, made at the first forward of that shape
+    (inside a capture: from the graph's pool, kept alive by the layer)."""
+    records = layer.__dict__.setdefault("_step_records", {})
+    key = (layout.n, layout.num_tokens)
+    if key not in records:
+        records[key] = StepRecord(layer, layout.n, layout.num_tokens, x, out_like)
+    return records[key]
+
+
+def check_recorded_steps(layers) -> None:
+    """After a step (``VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph``): every layer's records refreshed by it,
+    checked and logged as :class:`RoundCheck` logs."""
+    if not graph_check_enabled() or _capturing():
+        return
+    for layer in layers:
+        for (n, T), record in getattr(layer, "_step_records", {}).items():
+            result = record.check(layer)
+            if result is None:
+                continue
+            err_out, err_state, err_window, ints = result
+            worst = max(err_out, err_state, err_window)
+            _state["worst"] = max(_state["worst"], worst)
+            first = _state.get("first_layer") in (None, layer.prefix)
+            _state.setdefault("first_layer", layer.prefix)
+            if first:
+                _state["calls"] += 1
+            if (first and _state["calls"] <= LOGGED_STEPS) or worst > TOLERANCE:
+                logger.warning("hspec-check (recorded) %s n=%d T=%d call %d: out %.2e state %.2e window %.2e "
+                               "(worst so far %.2e) | slots=%s cu=%s slab=%s pending=%s m=%s target=%s",
+                               layer.prefix, n, T, _state["calls"], err_out, err_state, err_window, _state["worst"],
+                               ints[0][:n], ints[1][: n + 1], ints[2][:n], ints[3][:n], ints[4][:n], ints[5][:n])

@@ -33,7 +33,7 @@ import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from vllm_hybridspec.engine.cpu.core import cpu_gdn_core_op, vllm_cpu_gdn_paths
-from vllm_hybridspec.engine.gdn.check import RoundCheck, check_enabled
+from vllm_hybridspec.engine.gdn.check import RoundCheck, check_enabled, graph_check_enabled, graph_record
 from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, needs_torch_prefill
 from vllm_hybridspec.engine.gdn.layout import StepLayout, spec_conv_index, step_layout
@@ -206,6 +206,9 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         else:
             x, b_s, a_s = (t.index_select(0, index) for t in (mixed_qkv, b, a))
         check = RoundCheck(self, layout) if check_enabled() else None
+        record = graph_record(self, layout, mixed_qkv, core_attn_out) if graph_check_enabled() else None
+        if record is not None:
+            record.before(self, layout)
         commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
         conv_out = self._conv(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
@@ -221,6 +224,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                                  self.slab_len, layout.pending_entry, layout.pending_m, layout.target_entry)
         if check is not None:
             check.finish(self, layout, x, b_s, a_s, out)
+        if record is not None:
+            record.after(self, layout, x, b_s, a_s, out)
         self.input_slab.index_copy_(0, layout.slab_rows, x.to(self.input_slab.dtype))
         if index is None:
             core_attn_out[:T] = out.to(core_attn_out.dtype)

@@ -26,7 +26,7 @@ import logging
 import numpy as np
 
 from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
-from vllm_hybridspec.engine.gdn.check import log_sampled
+from vllm_hybridspec.engine.gdn.check import check_recorded_steps, log_sampled
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
 
@@ -116,6 +116,7 @@ def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) 
     """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``)."""
     rounds = rounds_of(runner)
     if rounds is not None:
+        check_recorded_steps([layer for layers in rounds.groups.values() for layer in layers])
         log_sampled(rounds, output_token_ids)
         rounds.sampled(output_token_ids)
 
