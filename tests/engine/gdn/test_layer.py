@@ -512,7 +512,7 @@ def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(
 
         monkeypatch.setattr(PendingRounds, "sampled", checked_then_sampled)
     seed = int.from_bytes(os.urandom(4), "little") >> 1
-    simulate(seed, kernels, 14 if kernels else 30, corrupt=corrupt)
+    simulate(seed, kernels, 20 if kernels else 30, corrupt=corrupt)
     worst = check._state["worst"]
     print(f"kernels={kernels} corrupt={corrupt} seed {seed}: self-check worst {worst:.2e} over "
           f"{check._state['calls']} forwards")
