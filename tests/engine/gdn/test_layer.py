@@ -521,3 +521,50 @@ def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(
         assert worst < 2e-5, (seed, worst)
     else:
         assert worst > 1e-2, (seed, worst)
+
+
+def test_conv_taps_are_never_cached_inside_a_cuda_graph_capture(monkeypatch):
+    """A capture records work without running it: the float32 conv-tap cache made inside vLLM's
+    memory-profiling capture (never replayed) held garbage and broke every later spec step on the
+    H200. Inside a capture the layer converts the taps without caching them; outside it caches them
+    and converts a reloaded weight into the same tensors; the dummy-run patch fills the cache first."""
+    from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
+    from vllm_hybridspec.engine.gdn import layer as layer_module
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach
+    from vllm_hybridspec.engine.gdn.runner import _clean_dummy_run
+
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    layer = bare_layer(gen, 2, 4, 16, 16, 4, 6, 3, 4, kernels=True)
+    weight = vllm_cpu_gdn_paths().conv_weight(layer)
+    want = weight.double().T
+
+    capturing = {"on": True}
+    monkeypatch.setattr(layer_module, "_capturing", lambda: capturing["on"])
+    taps, bias = layer._conv_taps_fp32(weight)
+    assert rel_err(taps, want) < 1e-7 and rel_err(bias, layer.conv1d.bias.double()) < 1e-7
+    assert not hasattr(layer, "_conv_fp32")  # nothing cached inside the capture
+
+    capturing["on"] = False
+    taps, _ = layer._conv_taps_fp32(weight)
+    cached = layer._conv_fp32
+    assert rel_err(taps, want) < 1e-7 and taps.data_ptr() == cached[1].data_ptr()
+
+    weight.mul_(2.0)  # a reload in place: a new version counter
+    capturing["on"] = True
+    taps2, _ = layer._conv_taps_fp32(weight)
+    assert rel_err(taps2, 2 * want) < 1e-7
+    assert layer._conv_fp32 is cached and rel_err(cached[1], want) < 1e-7  # the cache untouched in the capture
+    capturing["on"] = False
+    taps3, _ = layer._conv_taps_fp32(weight)
+    assert taps3.data_ptr() == cached[1].data_ptr() and rel_err(taps3, 2 * want) < 1e-7  # same tensor, new values
+
+    # the dummy-run patch converts the taps of every one-slot layer before vLLM's dummy run starts
+    fresh = bare_layer(gen, 2, 4, 16, 16, 4, 6, 3, 4, kernels=True)
+    rounds = PendingRounds(6, 6, 4, "cpu")
+    rounds.groups = {0: [fresh]}
+    runner = type("Runner", (), {})()
+    runner.compilation_config = SimpleNamespace(static_forward_context={"layer": fresh})
+    attach(runner, rounds)
+    seen = {}
+    _clean_dummy_run(lambda self: seen.setdefault("cached", hasattr(fresh, "_conv_fp32")))(runner)
+    assert seen["cached"] is True

@@ -287,19 +287,40 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
     def _conv_taps_fp32(self, weight) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv weight as float32 taps ``[K_conv, conv_dim]`` and the bias in float32, converted once
-        per weight tensor (a reload gives a new version counter and is converted again, into the same
-        tensors, whose addresses captured CUDA graphs hold)."""
+        per weight tensor outside CUDA-graph captures (a reload gives a new version counter and is
+        converted again, into the same tensors, whose addresses captured graphs hold).
+
+        Inside a capture the conversion is recorded, not run, so a cache made or updated there would
+        hold whatever its memory held: the capture of vLLM's CUDA-graph memory profiling is never
+        replayed, and a cache made in it poisoned every later spec step (0/24 prompts identical to
+        plain decoding on the H200, ``docs/benchmarks/h200-2026-12-02``). A capture that finds no valid
+        cache converts inside its graph, at every replay; ``warm_conv_taps`` fills the cache before
+        vLLM's dummy runs and captures."""
         bias = self.conv1d.bias
         key = (weight.data_ptr(), weight._version, None if bias is None else (bias.data_ptr(), bias._version))
         cached = getattr(self, "_conv_fp32", None)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        taps, bias32 = weight.float().T.contiguous(), None if bias is None else bias.float()
+        if _capturing():
+            return taps, bias32
         if cached is None:
-            cached = self._conv_fp32 = (key, weight.float().T.contiguous(), None if bias is None else bias.float())
-        elif cached[0] != key:
-            cached[1].copy_(weight.float().T)
+            cached = self._conv_fp32 = (key, taps, bias32)
+        else:
+            cached[1].copy_(taps)
             if bias is not None:
-                cached[2].copy_(bias.float())
+                cached[2].copy_(bias32)
             cached = self._conv_fp32 = (key, cached[1], cached[2])
         return cached[1], cached[2]
+
+    def warm_conv_taps(self) -> None:
+        """Fill the float32 conv-tap cache now (eagerly, outside any capture); GPU path only."""
+        if self.one_slot and self.kernels:
+            self._conv_taps_fp32(vllm_cpu_gdn_paths().conv_weight(self))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def one_slot_layers(runner) -> list:

@@ -9,7 +9,8 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by 
   not run yet. The plan (``PendingRounds.plan``) is computed there on the host and copied to the
   device inside vLLM's ``synchronize_input_prep`` (which guards the reuse of pinned host buffers).
 * ``GPUModelRunner._dummy_run``: before it, the plan is reset to the scratch slab, so a profiling
-  run, a warm-up or a CUDA-graph capture never touches a request's pending round.
+  run, a warm-up or a CUDA-graph capture never touches a request's pending round, and the layers'
+  float32 conv taps are converted eagerly (a capture records work without running it).
 * ``GPUModelRunner._update_states_after_model_execute`` (through ``compat.patch_runner_after_sampling``):
   each verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
@@ -107,6 +108,9 @@ def _clean_dummy_run(original):
         rounds = ensure_rounds(self)
         if rounds is not None:
             rounds.reset_step()
+            for layers in rounds.groups.values():
+                for layer in layers:
+                    layer.warm_conv_taps()  # before any capture inside the dummy run (HSpecQwenGDN._conv_taps_fp32)
         return original(self, *args, **kwargs)
 
     return _dummy_run
