@@ -101,19 +101,25 @@ class RoundCheck:
         err_out = _rel(out[rows].float(), ref[rows].float()) if bool(rows.any()) else 0.0
         pool = layer.kv_cache[1] if layer.kernels else layer.state_pool()
         err_state = _rel(pool[slots[live]], self.state[slots[live]]) if bool(live.any()) else 0.0
-        worst = max(err_out, err_state, err_window)
-        _state["worst"] = max(_state["worst"], worst)
-        first = _state.get("first_layer") in (None, layer.prefix)
-        _state.setdefault("first_layer", layer.prefix)
-        if first:
-            _state["calls"] += 1
-        if (first and _state["calls"] <= LOGGED_STEPS) or worst > TOLERANCE:
-            logger.warning(
-                "hspec-check %s call %d: out %.2e state %.2e window %.2e (worst so far %.2e) | n=%d spec=%d "
-                "single=%d U=%d T=%d slots=%s cu=%s slab=%s pending=%s m=%s target=%s", layer.prefix,
-                _state["calls"], err_out, err_state, err_window, _state["worst"], layout.n, layout.num_spec,
-                layout.num_single, layout.max_len, layout.num_tokens, slot_list, cu, lay["slab"].tolist(),
-                lay["pending_entry"].tolist(), lay["pending_m"].tolist(), lay["target_entry"].tolist())
+        _report(f"hspec-check {layer.prefix}", layer.prefix, err_out, err_state, err_window,
+                f"n={layout.n} spec={layout.num_spec} single={layout.num_single} U={layout.max_len} "
+                f"T={layout.num_tokens} slots={slot_list} cu={cu} slab={lay['slab'].tolist()} "
+                f"pending={lay['pending_entry'].tolist()} m={lay['pending_m'].tolist()} "
+                f"target={lay['target_entry'].tolist()}")
+
+
+def _report(what: str, prefix: str, err_out: float, err_state: float, err_window: float, layout: str) -> None:
+    """Count a checked forward and log it: the first layer's first ``LOGGED_STEPS``, and any above
+    ``TOLERANCE``."""
+    worst = max(err_out, err_state, err_window)
+    _state["worst"] = max(_state["worst"], worst)
+    first = _state.get("first_layer") in (None, prefix)
+    _state.setdefault("first_layer", prefix)
+    if first:
+        _state["calls"] += 1
+    if (first and _state["calls"] <= LOGGED_STEPS) or worst > TOLERANCE:
+        logger.warning("%s call %d: out %.2e state %.2e window %.2e (worst so far %.2e) | %s", what,
+                       _state["calls"], err_out, err_state, err_window, _state["worst"], layout)
 
 
 def _dim_first() -> bool:
@@ -280,14 +286,6 @@ def check_recorded_steps(layers) -> None:
             if result is None:
                 continue
             err_out, err_state, err_window, ints = result
-            worst = max(err_out, err_state, err_window)
-            _state["worst"] = max(_state["worst"], worst)
-            first = _state.get("first_layer") in (None, layer.prefix)
-            _state.setdefault("first_layer", layer.prefix)
-            if first:
-                _state["calls"] += 1
-            if (first and _state["calls"] <= LOGGED_STEPS) or worst > TOLERANCE:
-                logger.warning("hspec-check (recorded) %s n=%d T=%d call %d: out %.2e state %.2e window %.2e "
-                               "(worst so far %.2e) | slots=%s cu=%s slab=%s pending=%s m=%s target=%s",
-                               layer.prefix, n, T, _state["calls"], err_out, err_state, err_window, _state["worst"],
-                               ints[0][:n], ints[1][: n + 1], ints[2][:n], ints[3][:n], ints[4][:n], ints[5][:n])
+            _report(f"hspec-check (recorded) {layer.prefix} n={n} T={T}", layer.prefix, err_out, err_state,
+                    err_window, f"slots={ints[0][:n]} cu={ints[1][: n + 1]} slab={ints[2][:n]} pending={ints[3][:n]} "
+                    f"m={ints[4][:n]} target={ints[5][:n]}")
