@@ -33,7 +33,7 @@ import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from vllm_hybridspec.engine.cpu.core import cpu_gdn_core_op, vllm_cpu_gdn_paths
-from vllm_hybridspec.engine.gdn.check import RoundCheck, check_enabled, graph_check_enabled, graph_record
+from vllm_hybridspec.engine.gdn.check import RoundCheck, _capturing, check_enabled, graph_check_enabled, graph_record
 from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, needs_torch_prefill
 from vllm_hybridspec.engine.gdn.layout import StepLayout, spec_conv_index, step_layout
@@ -317,10 +317,6 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         """Fill the float32 conv-tap cache now (eagerly, outside any capture); GPU path only."""
         if self.one_slot and self.kernels:
             self._conv_taps_fp32(vllm_cpu_gdn_paths().conv_weight(self))
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def one_slot_layers(runner) -> list:
