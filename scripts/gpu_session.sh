@@ -11,7 +11,7 @@
 #                                        # ngram + one-slot GDN against plain decoding (float32)
 #   bash scripts/gpu_session.sh bisect   # the smoke comparison with the engine eager, piecewise only, full graphs
 #                                        # without the extra lengths, by default, and vLLM's own GDN path
-#   bash scripts/gpu_session.sh fullcheck # batch size 1 under vLLM's default graphs: plain, vLLM's own GDN path, and the
+#   bash scripts/gpu_session.sh fullcheck # batch size SEQS (1) under vLLM's default graphs: plain, vLLM's own GDN path, and the
 #                                        # one-slot layer kept in full graphs with its recorded self-check
 #                                        # (VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph, engine/gdn/check.py)
 #   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
@@ -19,8 +19,10 @@
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
 #                                        # w = 1..16, B = 1, 4 (ours, K = 15), vLLM's GDN path (K = 15, all),
 #                                        # plain decoding
-#   bash scripts/gpu_session.sh ref32    # reference hybrid and dense, float32, default graphs: greedy identity
+#   bash scripts/gpu_session.sh ref32    # reference hybrid, float32, default graphs, one-slot layer: greedy identity
 #                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
+#   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
+#   bash scripts/gpu_session.sh ref32dense # the same on the reference dense target
 #   bash scripts/gpu_session.sh refbs1   # reference hybrid, bf16, default graphs, batch 1: H-Spec one-slot
 #                                        # against H-Spec on vLLM's GDN path (step times at w = 8)
 #   bash scripts/gpu_session.sh full35   # the 40-layer 35B shape: ours at w = 1..16, plain, vLLM K = 15
@@ -102,7 +104,7 @@ fullcheck)
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
   export VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph
   run fullcheck python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
-    --num-prompts 24 --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs 1 --gpu-mem 0.2 --isolate \
+    --num-prompts 24 --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs "${SEQS:-1}" --gpu-mem 0.2 --isolate \
     --logprobs --engine-args "$ENG" --config plain=none \
     --config one_slot_full="{$NG, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --config vllm_gdn="{$NG, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/fullcheck.json"
@@ -137,16 +139,20 @@ slice|full35)
     --speculative-config "{\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 7, \"hybridspec\": {\"gdn_kernel\": false}}" \
     --out "$R/vllm7.json"
   ;;
-ref32)
-  for kind in hybrid dense; do
-    HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
-    run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \
-      --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
-      --engine-args "$ENG" \
-      --config plain=none --config hspec_all="{$HH, \"hybridspec\": {\"fixed_length\": 8}}" \
-      --config hspec_sel="{$HH, \"hybridspec\": {\"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
-      --out "$R/identity-$kind.json"
-  done
+ref32|ref32full|ref32dense)
+  # float32 greedy identity of H-Spec with plain decoding on the reference models, 24 x 128. ref32: the
+  # hybrid with the one-slot layer in the default (piecewise) graphs; ref32full: the same in full graphs;
+  # ref32dense: the dense target. vLLM's own GDN path gave 9/24 and, with selection, 0/24 (h200-2026-12-02b).
+  kind=hybrid; [ "$STAGE" = ref32dense ] && kind=dense
+  GK='"gdn_kernel": true,'; [ "$STAGE" = ref32full ] && GK='"gdn_kernel": true, "full_graph_spec_steps": true,'
+  [ "$STAGE" = ref32dense ] && GK=''
+  HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
+  run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \
+    --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
+    --engine-args "$ENG" \
+    --config plain=none --config hspec_all="{$HH, \"hybridspec\": {$GK \"fixed_length\": 8}}" \
+    --config hspec_sel="{$HH, \"hybridspec\": {$GK \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
+    --out "$R/identity-$kind.json"
   ;;
 refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

@@ -47,7 +47,8 @@ class HybridSpecOptions(BaseModel):
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
     full_graph_spec_steps: bool = Field(
         default=False, description="with the one-slot GDN layer on a GPU, replay spec steps from full CUDA graphs; "
-        "not yet exact (docs/benchmarks/h200-2026-12-02), so by default the engine runs piecewise graphs")
+        "exact at batch size 1 on the H200, not yet checked at larger batches "
+        "(docs/benchmarks/h200-2026-12-02b), so by default the engine runs piecewise graphs")
 
     @model_validator(mode="after")
     def _consistent(self) -> HybridSpecOptions:

@@ -15,9 +15,9 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by 
   each verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
-  is set to ``PIECEWISE`` (unless ``"full_graph_spec_steps": true``): replayed from a full graph, its
-  spec steps leave plain decoding's greedy output (0/24 prompts on the H200, against 24/24 piecewise,
-  ``docs/benchmarks/h200-2026-12-02``).
+  is set to ``PIECEWISE`` (unless ``"full_graph_spec_steps": true``): replayed from full graphs its spec
+  steps are exact at batch size 1 on the H200 (24/24 prompts, ``docs/benchmarks/h200-2026-12-02b``) and
+  not yet checked at larger batches.
 """
 
 from __future__ import annotations
@@ -143,8 +143,9 @@ def piecewise_spec_steps(vllm_config) -> bool:
         return False
     compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
     logger.warning("vllm-hybridspec: cudagraph_mode %s -> PIECEWISE: spec steps of the one-slot GDN layer are not "
-                   "yet exact when replayed from full CUDA graphs (docs/benchmarks/h200-2026-12-02); "
-                   '"hybridspec": {"full_graph_spec_steps": true} keeps full graphs', mode.name)
+                   "yet checked at batch sizes above 1 when replayed from full CUDA graphs "
+                   '(docs/benchmarks/h200-2026-12-02b); "hybridspec": {"full_graph_spec_steps": true} keeps full graphs',
+                   mode.name)
     return True
 
 
