@@ -134,3 +134,56 @@ def test_truncated_drafter_weights_fail_engine_start_with_one_line(tmp_path):
         f"{size // 2} (the file is truncated); re-save or re-download the checkpoint"
     )
     assert "EngineCore" not in run.stderr + run.stdout
+
+
+def test_length_selection_with_vllms_own_gdn_path_fails_engine_start_with_one_line():
+    """A hybrid target whose GDN layers would run vLLM's own spec path (``"gdn_kernel": false``) with
+    length selection: ``LLM(...)`` ends with one ``ValueError`` line naming both options and the way
+    out, in the main process (no engine core starts)."""
+    root = Path(__file__).resolve().parents[2]
+    models = root / "models"
+    policy = models / "hybrid-hspec" / "policy_cpu.json"
+    spec = {"method": "hspec", "model": str(models / "hybrid-hspec"),
+            "hybridspec": {"policy": str(policy), "gdn_kernel": False}}
+    script = (
+        "from vllm import LLM\n"
+        f"LLM(model={str(models / 'hybrid')!r}, skip_tokenizer_init=True, enforce_eager=True, dtype='float32', "
+        f"max_model_len=256, mamba_ssm_cache_dtype='float32', speculative_config={spec!r})\n"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_TARGET_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=110, check=False)
+    assert run.returncode == 1
+    last = run.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f'ValueError: "hybridspec": {{"gdn_kernel": false}} with "policy": {str(policy)!r} '
+                           "(length selection): vLLM's own GDN spec-decode path is not exact"), run.stderr[-4000:]
+    assert last.endswith('drop "gdn_kernel": false (the one-slot GDN layer) or "policy"')
+    assert "EngineCore" not in run.stderr + run.stdout
+
+
+def test_length_selection_with_vllms_own_gdn_path_is_refused_for_gdn_targets_only(target_dir, hspec_dir, tmp_path):
+    """In the main process, before vLLM sees the config: a policy or a fixed length below K + 1 with
+    ``"gdn_kernel": false`` on a Qwen3-Next target is a ValueError naming both; the same options on a
+    dense target, or verifying every draft on the hybrid, pass."""
+    from vllm_hybridspec.policy.policy_file import load_policy
+
+    hybrid = Qwen3NextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, full_attention_interval=4,
+                             partial_rotary_factor=1.0)
+    drafter = _edit(hspec_dir, tmp_path / "drafter", kv_reuse_layer_ids=[3, 7], num_layers=4)
+    policy = Path(__file__).resolve().parents[2] / "models" / "hybrid-hspec" / "policy_cpu.json"
+    k = load_policy(str(policy)).draft_len
+    spec = {"method": "hspec", "model": str(drafter), "num_speculative_tokens": k}
+    for options, key in [({"gdn_kernel": False, "policy": str(policy)}, "policy"),
+                         ({"gdn_kernel": False, "fixed_length": 2}, "fixed_length")]:
+        with pytest.raises(ValueError, match=rf"with \"{key}\": .*: vLLM's own GDN spec-decode path is not exact.*"
+                                             rf'or "{key}"$'):
+            resolve_speculative_config({**spec, "hybridspec": options}, SimpleNamespace(hf_config=hybrid))
+    resolve_speculative_config({**spec, "hybridspec": {"gdn_kernel": False, "fixed_length": k + 1}},
+                               SimpleNamespace(hf_config=hybrid))
+    resolve_speculative_config({**spec, "hybridspec": {"policy": str(policy)}}, SimpleNamespace(hf_config=hybrid))
+    from transformers import AutoConfig
+
+    dense = {**spec, "model": str(hspec_dir), "hybridspec": {"gdn_kernel": False, "policy": str(policy)}}
+    resolve_speculative_config(dense, SimpleNamespace(hf_config=AutoConfig.from_pretrained(target_dir)))

@@ -24,7 +24,12 @@ from vllm_hybridspec.engine.compat import (
     wrap_once,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
-from vllm_hybridspec.engine.options import ADDITIONAL_CONFIG_KEY, parse_options, validation_problems
+from vllm_hybridspec.engine.options import (
+    ADDITIONAL_CONFIG_KEY,
+    parse_options,
+    validation_problems,
+    vllm_gdn_path_problem,
+)
 from vllm_hybridspec.engine.replay.config import REPLAY_METHOD, resolve_replay_speculative_config
 
 
@@ -69,7 +74,16 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_f
     k = spec.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
-    return spec, {**extra, ADDITIONAL_CONFIG_KEY: parse_options(raw_options, k).model_dump()}
+    options = parse_options(raw_options, k)
+    problem = vllm_gdn_path_problem(options, k) if has_gdn_layers(getattr(target_model_config, "hf_config", None)) else None
+    if problem is not None:
+        raise ValueError(problem)
+    return spec, {**extra, ADDITIONAL_CONFIG_KEY: options.model_dump()}
+
+
+def has_gdn_layers(target_hf_config) -> bool:
+    """Whether the target has Gated-DeltaNet layers (Qwen3-Next / Qwen3.5 ``layer_types``)."""
+    return "linear_attention" in (getattr(text_config(target_hf_config), "layer_types", None) or ())
 
 
 def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str) -> dict[str, Any]:

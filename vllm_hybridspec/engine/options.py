@@ -64,6 +64,16 @@ class HybridSpecOptions(BaseModel):
             raise ValueError('"capture" verifies every draft token; drop "select"/"fixed_length"')
         return self
 
+    def trimming(self, num_speculative_tokens: int) -> tuple[str, str] | None:
+        """The option, if any, that makes the target verify fewer tokens than were drafted (length
+        selection, or a fixed length below ``K + 1``): its key and how errors describe it."""
+        if self.select:
+            return "policy", f'"policy": {self.policy!r} (length selection)'
+        if self.fixed_length is not None and self.fixed_length < num_speculative_tokens + 1:
+            return "fixed_length", (f'"fixed_length": {self.fixed_length} (below num_speculative_tokens + 1 = '
+                                    f"{num_speculative_tokens + 1})")
+        return None
+
     def check(self, num_speculative_tokens: int) -> None:
         """Checks that need the engine's settings or the file system; raises ``ValueError``."""
         w_max = num_speculative_tokens + 1
@@ -89,6 +99,21 @@ class HybridSpecOptions(BaseModel):
             parent = Path(self.capture).expanduser().resolve().parent
             if not parent.is_dir():
                 raise ValueError(f"hybridspec.capture={self.capture!r}: directory {str(parent)!r} does not exist")
+
+
+def vllm_gdn_path_problem(options: HybridSpecOptions | None, num_speculative_tokens: int) -> str | None:
+    """For a target with GDN layers: the error when ``options`` keep vLLM's own GDN spec path
+    (``"gdn_kernel": false``) and trim the verified length, which that path does not survive exactly
+    (checked in the main process by ``config.resolve_speculative_config`` and in every process by
+    ``gdn.enable.gdn_kernel_enabled``)."""
+    trims = None if options is None or options.gdn_kernel is not False else options.trimming(num_speculative_tokens)
+    if trims is None:
+        return None
+    key, what = trims
+    return (f'"hybridspec": {{"gdn_kernel": false}} with {what}: vLLM\'s own GDN spec-decode path is not exact '
+            "when the target verifies fewer tokens than were drafted (with length selection 0/24 prompts "
+            "identical to plain decoding on the H200, docs/benchmarks/h200-2026-12-02b); drop "
+            f'"gdn_kernel": false (the one-slot GDN layer) or "{key}"')
 
 
 def parse_options(raw: Any, num_speculative_tokens: int) -> HybridSpecOptions:

@@ -51,6 +51,51 @@ def test_unmet_requirement_falls_back_by_default_and_is_an_error_when_asked_for(
         gdn_kernel_enabled(vllm_config(**setting, options={"gdn_kernel": True}))
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"gdn_kernel": False, "policy": "p.json"}, r'"gdn_kernel": false\} with "policy": \'p.json\'.*drop "gdn_kernel": '
+     r'false \(the one-slot GDN layer\) or "policy"'),
+    ({"gdn_kernel": False, "fixed_length": 3}, r'"fixed_length": 3 \(below num_speculative_tokens \+ 1 = 4\).*or '
+     r'"fixed_length"'),
+])
+def test_trimmed_lengths_with_vllms_own_gdn_path_are_an_error(options, message):
+    """vLLM's own GDN spec path left plain decoding's output with selected lengths on the H200: a
+    trimmed length with ``"gdn_kernel": false`` is refused; verifying every draft is not."""
+    with pytest.raises(ValueError, match=message):
+        gdn_kernel_enabled(vllm_config(options=options))
+    assert not gdn_kernel_enabled(vllm_config(options={"gdn_kernel": False, "fixed_length": 4}))
+    assert not gdn_kernel_enabled(vllm_config(options={"gdn_kernel": False}))
+
+
+def test_trimmed_lengths_turn_the_layer_on_on_a_gpu_and_an_unmet_requirement_is_an_error(monkeypatch):
+    """On a GPU the layer is opt-in, but selection implies it: a policy (or a fixed length below K + 1)
+    turns it on; where it cannot run, the error names the option and the requirement."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    assert not gdn_kernel_enabled(vllm_config())  # opt-in
+    assert not gdn_kernel_enabled(vllm_config(options={"fixed_length": 4}))  # every draft: opt-in still
+    assert gdn_kernel_enabled(vllm_config(options={"policy": "p.json"}))
+    assert gdn_kernel_enabled(vllm_config(options={"fixed_length": 2}))
+    with pytest.raises(ValueError, match=r'"policy": \'p.json\' \(length selection\) needs the one-slot GDN layer.*'
+                       r"mamba_ssm_cache_dtype='bfloat16'.*or drop \"policy\""):
+        gdn_kernel_enabled(vllm_config(ssm="bfloat16", options={"policy": "p.json"}))
+
+
+def test_on_vllm_gdn_path_needs_gdn_layers_and_the_layer_off():
+    from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
+
+    def config(layer_types, **kwargs):
+        c = vllm_config(**kwargs)
+        c.model_config.hf_config = SimpleNamespace(layer_types=layer_types)
+        return c
+
+    hybrid = ["linear_attention", "full_attention"]
+    assert on_vllm_gdn_path(config(hybrid, options={"gdn_kernel": False}))
+    assert not on_vllm_gdn_path(config(hybrid))  # the layer is on (CPU default)
+    assert not on_vllm_gdn_path(config(["full_attention"], options={"gdn_kernel": False}))
+    assert not on_vllm_gdn_path(config(None, options={"gdn_kernel": False}))
+
+
 @pytest.mark.parametrize("eager, graphs, allowed", [
     (True, None, True), (False, "PIECEWISE", True), (False, "NONE", True),
     (False, "FULL_AND_PIECEWISE", True), (False, "FULL_DECODE_ONLY", True), (False, "FULL", False),

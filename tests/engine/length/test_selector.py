@@ -145,3 +145,27 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     assert batched.options.batched
     batched.configure(policy=batched.engine_options.policy, batched=False)
     assert not batched.options.batched
+
+
+def test_configure_refuses_trimmed_lengths_when_the_gdn_layers_run_vllms_own_path(tmp_path, gen):
+    """A selector whose target's GDN layers run vLLM's own spec path (``verifies_every_draft``) keeps
+    verifying every draft: a fixed length below K + 1 or a policy is refused, naming the way out, and
+    the selector stays as it was; verify-everything and drafting off still switch."""
+    path = policy_file(tmp_path)
+    selector = LengthSelector(HybridSpecOptions(fixed_length=K + 1), K, torch.device("cpu"), max_num_reqs=64,
+                              verifies_every_draft=True)
+    for kwargs in ({"fixed_length": 3}, {"fixed_length": K}, {"policy": path}):
+        with pytest.raises(ValueError, match=r"vLLM's own spec-decode path.*\"gdn_kernel\": true"):
+            selector.configure(**kwargs)
+        assert selector.options.fixed_length == K + 1 and not selector.options.select
+    n = 5
+    conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
+    drafts = torch.randint(0, 96, (n, K), generator=gen)
+    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1)).tolist() == [K] * n
+    selector.configure(fixed_length=K + 1)
+    selector.configure(drafting=False)
+    assert not selector.speculate(1)
+    # the same calls pass on a selector without the restriction
+    free = LengthSelector(HybridSpecOptions(fixed_length=K + 1), K, torch.device("cpu"), max_num_reqs=64)
+    free.configure(fixed_length=3)
+    free.configure(policy=path)

@@ -26,6 +26,7 @@ from vllm_hybridspec.drafter.layers import DraftBlock
 from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.config import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
+from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
 from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.length.trimming import attach_selector
@@ -59,7 +60,8 @@ class RunnerDFlashProposer(DFlashProposer):
         self.length_selector = None
         if options is not None:
             self.length_selector = LengthSelector(
-                options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs)
+                options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs,
+                verifies_every_draft=on_vllm_gdn_path(vllm_config))
             if runner is not None:
                 attach_selector(runner, self.length_selector)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy

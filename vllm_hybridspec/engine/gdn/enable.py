@@ -2,8 +2,12 @@
 
 On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
 "none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": true}`` is given,
-or ``gdn_kernel`` is left unset on the CPU. With ``"gdn_kernel": true`` an unmet requirement is an
-error naming the value; left unset, it falls back to vLLM's own GDN path with a warning.
+or ``gdn_kernel`` is left unset on the CPU, or length selection (or a fixed length below ``K + 1``)
+is configured. With ``"gdn_kernel": true`` or a trimmed length an unmet requirement is an error
+naming the value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path
+left plain decoding's output on all 24 prompts of the reference hybrid with selection on the H200
+(``docs/benchmarks/h200-2026-12-02b``). Left unset otherwise, it falls back to vLLM's own GDN path
+with a warning.
 
 On GPUs the layer is opt-in: on the H200 its spec steps are exact in piecewise mode (24/24 prompts
 identical to plain decoding) and, at batch size 1, replayed from full CUDA graphs (24/24,
@@ -22,7 +26,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 
-from vllm_hybridspec.engine.options import hybridspec_options
+from vllm_hybridspec.engine.options import hybridspec_options, vllm_gdn_path_problem
 from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN
 
 logger = logging.getLogger(__name__)
@@ -41,9 +45,13 @@ def gdn_kernel_enabled(vllm_config) -> bool:
         return False
     options = hybridspec_options(vllm_config)
     asked = None if options is None else options.gdn_kernel
+    trims = None if options is None else options.trimming(spec.num_speculative_tokens)
     if asked is False:
+        problem = vllm_gdn_path_problem(options, spec.num_speculative_tokens)
+        if problem is not None:
+            raise ValueError(problem)
         return False
-    explicit = asked is True
+    explicit = asked is True or trims is not None
     problem = _unmet_requirement(vllm_config)
     if problem is None and not explicit and _on_cuda():
         problem = ('on GPUs it is opt-in until its spec steps are checked in full CUDA graphs at every batch '
@@ -51,14 +59,27 @@ def gdn_kernel_enabled(vllm_config) -> bool:
                    '(piecewise graphs)')
     if problem is None:
         return True
-    if explicit:
+    if asked is True:
         raise ValueError(f'"hybridspec": {{"gdn_kernel": true}} cannot run: {problem}; or set "gdn_kernel": false '
                          "to keep vLLM's own GDN spec-decode path")
+    if explicit:
+        key, what = trims
+        raise ValueError(f'"hybridspec" {what} needs the one-slot GDN layer on this GDN target, which cannot run: '
+                         f'{problem}; or drop "{key}" (vLLM\'s own GDN spec path then verifies every draft)')
     if problem not in _warned:
         _warned.add(problem)
         logger.warning("vllm-hybridspec: GDN layers use vLLM's own spec-decode path (a state slot per "
                        "draft token) because %s", problem)
     return False
+
+
+def on_vllm_gdn_path(vllm_config) -> bool:
+    """Whether the target has GDN layers and they run vLLM's own spec-decode path: then the target
+    must verify every draft (``LengthSelector.configure`` refuses trimmed lengths at run time as
+    :func:`gdn_kernel_enabled` does at start)."""
+    from vllm_hybridspec.engine.config import has_gdn_layers
+
+    return has_gdn_layers(vllm_config.model_config.hf_config) and not gdn_kernel_enabled(vllm_config)
 
 
 def _on_cuda() -> bool:

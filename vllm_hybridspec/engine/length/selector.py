@@ -33,8 +33,11 @@ class _Ready:
 
 class LengthSelector:
     def __init__(self, options: HybridSpecOptions, num_speculative_tokens: int, device: torch.device,
-                 max_num_reqs: int):
+                 max_num_reqs: int, verifies_every_draft: bool = False):
         self.engine_options = options  # as the engine started: configure's defaults
+        # the target's GDN layers run vLLM's own spec path, which is not exact with trimmed lengths
+        # (engine.gdn.enable.on_vllm_gdn_path): configure refuses them
+        self.verifies_every_draft = verifies_every_draft
         self.k = num_speculative_tokens
         self.device = device
         self.drafting = True  # False: every step runs without drafts (configure(drafting=False))
@@ -77,6 +80,10 @@ class LengthSelector:
             raw["fixed_length"] = self.k + 1  # verify everything
         options = HybridSpecOptions.model_validate(raw)
         options.check(self.k)
+        if self.verifies_every_draft and (options.select or (options.fixed_length or self.k + 1) < self.k + 1):
+            raise ValueError(f"configure: fixed_length={fixed_length}, policy={policy!r} verifies fewer tokens than "
+                             "were drafted, and this target's GDN layers run vLLM's own spec-decode path, which is "
+                             'not exact then (start the engine with the one-slot GDN layer, "gdn_kernel": true)')
         self._apply(options)
         self.drafting = drafting
 
