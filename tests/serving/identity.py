@@ -1,0 +1,234 @@
+"""The one greedy-identity check of the engine tests: a speculative run's greedy outputs against those
+of a separate plain engine, judged with both runs' top-2 log-probabilities at every position.
+
+The spec path computes the target's function in another order (parallel verification, multi-token
+attention, the one-slot GDN layer's factored commit), so the two runs' log-probabilities differ by
+float32 reordering noise, and where the two best tokens are tied to within that noise the argmax may
+go either way. A prompt may therefore diverge only where it is such a tie, seen from both sides. At a
+prompt's first divergence, position ``i``:
+
+- **token tie**: our token is plain decoding's runner-up and plain's token is ours; plain's top-2 gap
+  and our own top-2 gap there are both below ``tie``; and each of the two tokens has the same
+  log-probability in both runs to within ``tie`` (a tie of a flattened distribution is no tie); or
+- **router tie** (MoE targets): the router's top-k boundary at that position is within
+  ``router_tie`` in some MoE layer (:func:`routing_margin`, measured on the sequence both runs share
+  up to ``i``). A different expert then moves the output by far more than a token tie (a draw of
+  2026-12-01: experts 0 and 7 of layer 3 at 1.068843 and 1.068840 moved the output by 4.3 nats).
+
+Anything else fails, and so does a run with fewer than ``min_identical`` identical prompts, an emitted
+token that is not its own run's top-1 (log-probabilities that belong to another position), or
+log-probabilities at identical positions that differ by ``tie`` or more (an error of that size is a
+bug, not reordering).
+
+The bounds are measured, not guessed: :data:`TIES` holds 2.5x the largest |plain - speculative|
+log-probability difference found at identical positions (over both runs' top-2 tokens) per target,
+from the engine tests' own runs of 2026-12-02 (fresh random draws each run, several seeds; each
+check prints the difference it finds, ``noise``). Two runs ordering a tie differently differ by the sum
+of their two gaps there, at most twice the noise, so 2.5x the noise bounds each gap with room to spare
+and is still far below any error a commit, conv or verification bug makes (whole nats). Measured
+(largest over the runs):
+
+================================  ==========  ============
+target                            noise       ``tie``
+================================  ==========  ============
+reference dense (float32)         see TIES    2.5x noise
+reference hybrid (float32)        see TIES    2.5x noise
+tiny random dense (float32)       see TIES    2.5x noise
+tiny random hybrid (float32)      see TIES    2.5x noise
+================================  ==========  ============
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# nats: 2.5x the largest reordering noise measured per target (module docstring)
+TIES = {
+    "reference-dense": 3.75e-5,
+    "reference-hybrid": 6.25e-5,
+    "tiny-dense": 2.5e-4,
+    "tiny-hybrid": 3.75e-3,
+}
+ROUTER_TIE = 1e-4  # router logits: a top-k boundary this close is a floating-point tie in routing
+
+Top2 = tuple[tuple[int, float], tuple[int, float]]  # ((token, logprob), (runner-up, logprob)) at one position
+
+
+@dataclass
+class GreedyRun:
+    """Greedy outputs of one engine with the top-2 (token, log-probability) at every output position."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    top2: list[list[Top2]]
+
+    @classmethod
+    def from_outputs(cls, prompts: list, outputs) -> GreedyRun:
+        """From vLLM ``RequestOutput``s generated with :func:`greedy_params` (``logprobs=2``)."""
+        tokens, top2 = [], []
+        for o in outputs:
+            c = o.outputs[0]
+            if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+                raise ValueError("the run has no log-probabilities at every position: generate with "
+                                 "identity.greedy_params (SamplingParams(logprobs=2))")
+            tokens.append(list(c.token_ids))
+            top2.append([_top2((t, x.logprob) for t, x in step.items()) for step in c.logprobs])
+        return cls([_prompt_ids(p) for p in prompts], tokens, top2)
+
+    @classmethod
+    def from_compare(cls, result: dict, prompts: list) -> GreedyRun:
+        """From one config's result of ``hybridspec compare --logprobs`` (its ``"top2"``)."""
+        top2 = [[tuple(tuple(x) for x in pos) for pos in row] for row in result["top2"]]
+        return cls([_prompt_ids(p) for p in prompts], result["outputs"], top2)
+
+
+def _prompt_ids(prompt) -> list[int]:
+    return list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+
+
+def _top2(pairs) -> Top2:
+    ranked = sorted(pairs, key=lambda p: -p[1])
+    return (int(ranked[0][0]), float(ranked[0][1])), (int(ranked[1][0]), float(ranked[1][1]))
+
+
+def greedy_params(max_tokens: int):
+    """Greedy sampling that records the top-2 log-probabilities (vLLM returns the target's for
+    speculative outputs too)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+
+
+def generate(llm, prompts: list, max_tokens: int) -> GreedyRun:
+    return GreedyRun.from_outputs(prompts, llm.generate(prompts, greedy_params(max_tokens), use_tqdm=False))
+
+
+@dataclass
+class Divergence:
+    prompt: int
+    position: int
+    ours: Top2
+    plain: Top2
+    kind: str | None = None  # "token tie", "router tie", or None: not excused
+    router_margin: float | None = None
+
+    def __str__(self) -> str:
+        (a, la), (b, lb) = self.plain
+        (c, lc), (d, ld) = self.ours
+        margin = "" if self.router_margin is None else f", router margin {self.router_margin:.3g}"
+        return (f"prompt {self.prompt} at {self.position}: plain {a} ({la:.6g}) > {b} ({lb:.6g}), gap {la - lb:.3g}; "
+                f"ours {c} ({lc:.6g}) > {d} ({ld:.6g}), gap {lc - ld:.3g}{margin} -> {self.kind or 'NOT A TIE'}")
+
+
+@dataclass
+class Verdict:
+    label: str
+    num_prompts: int
+    identical: int
+    min_identical: int
+    tie: float
+    noise: float  # largest |plain - ours| log-probability at identical positions
+    divergences: list[Divergence] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __str__(self) -> str:
+        lines = [f"{self.label}: {self.identical}/{self.num_prompts} prompts identical (at least {self.min_identical}), "
+                 f"noise {self.noise:.3g} nats at identical positions (tie {self.tie:.3g})"]
+        lines += [f"  divergence {d}" for d in self.divergences]
+        lines += [f"  FAILED: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def judge(ours: GreedyRun, plain: GreedyRun, label: str, *, tie: float, min_identical: int,
+          router_margin: Callable[[list[int]], float] | None = None, router_tie: float = ROUTER_TIE) -> Verdict:
+    """The verdict on ``ours`` against ``plain`` (same prompts, same order); see the module docstring.
+    ``router_margin(tokens)``: the router's smallest top-k margin at the last of ``tokens`` (MoE targets;
+    asked only where a divergence is no token tie)."""
+    failures: list[str] = []
+    if ours.prompts != plain.prompts:
+        failures.append("the two runs are not of the same prompts")
+    noise, divergences, identical = 0.0, [], 0
+    for n, (mine, ref, top_mine, top_ref) in enumerate(zip(ours.tokens, plain.tokens, ours.top2, plain.top2)):
+        if len(mine) != len(ref):
+            failures.append(f"prompt {n}: {len(mine)} tokens against plain decoding's {len(ref)}")
+        for what, toks, tops in (("ours", mine, top_mine), ("plain", ref, top_ref)):
+            bad = next((i for i, (t, top) in enumerate(zip(toks, tops)) if t != top[0][0]), None)
+            if bad is not None:
+                failures.append(f"prompt {n} ({what}): token {toks[bad]} at {bad} is not its run's top-1 "
+                                f"{tops[bad][0]}: its log-probabilities belong elsewhere")
+        first = next((i for i, (x, y) in enumerate(zip(mine, ref)) if x != y), None)
+        for i in range(len(mine) if first is None else first):
+            noise = max(noise, _difference(top_mine[i], top_ref[i]))
+        if first is None:
+            identical += int(len(mine) == len(ref))
+            continue
+        d = Divergence(n, first, top_mine[first], top_ref[first])
+        if _token_tie(d.ours, d.plain, tie):
+            d.kind = "token tie"
+        elif router_margin is not None:
+            d.router_margin = router_margin(plain.prompts[n] + ref[:first])
+            if d.router_margin < router_tie:
+                d.kind = "router tie"
+        if d.kind is None:
+            failures.append(f"prompt {n} diverges at {first} where neither run has a tie: {d}")
+        divergences.append(d)
+    if noise >= tie:
+        failures.append(f"log-probabilities at identical positions differ by {noise:.3g} nats, at least the tie "
+                        f"bound {tie:.3g}: more than reordering noise")
+    if identical < min_identical:
+        failures.append(f"{identical}/{len(ours.tokens)} prompts identical, fewer than {min_identical}")
+    return Verdict(label, len(ours.tokens), identical, min_identical, tie, noise, divergences, failures)
+
+
+def _difference(a: Top2, b: Top2) -> float:
+    """The largest |difference| of the log-probability of a token both runs rank in their top 2."""
+    ours, plain = dict(a), dict(b)
+    return max((abs(ours[t] - plain[t]) for t in ours.keys() & plain.keys()), default=0.0)
+
+
+def _token_tie(ours: Top2, plain: Top2, tie: float) -> bool:
+    (o1, lo1), (o2, lo2) = ours
+    (p1, lp1), (p2, lp2) = plain
+    return (o1 == p2 and p1 == o2 and lp1 - lp2 < tie and lo1 - lo2 < tie
+            and abs(lo1 - lp2) < tie and abs(lo2 - lp1) < tie)
+
+
+def check_identity(ours: GreedyRun, plain: GreedyRun, label: str, **kwargs) -> Verdict:
+    """:func:`judge`, printed; ``AssertionError`` listing what failed."""
+    verdict = judge(ours, plain, label, **kwargs)
+    print(verdict)
+    assert verdict.ok, str(verdict)
+    return verdict
+
+
+def routing_margin(model: str, tokens: list[int], **engine_args) -> float:
+    """The smallest gap, over the target's MoE layers, between the k-th and the (k+1)-th router logit
+    of the last token of ``tokens`` (top-k routing, k = ``num_experts_per_tok``), from a plain
+    prefill of the sequence (an engine of its own, ``engine_args``) with forward hooks on every
+    router. Layers whose MoE input is exactly zero for that token are left out: every expert maps it
+    to zero, so their all-zero logits are no tie that matters (the pad token's embedding row is zero,
+    and the GDN layers' gated output keeps it zero up to the first attention layer)."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from .conftest import runner_of
+
+    llm = LLM(model=model, **engine_args)
+    runner = runner_of(llm)
+    k = llm.llm_engine.vllm_config.model_config.hf_config.num_experts_per_tok
+    last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = [module.register_forward_hook(
+                 lambda mod, inp, out, name=name: last.__setitem__(name, (inp[0][-1].float(), out[0][-1].float())))
+             for name, module in runner.model.named_modules() if name.endswith("mlp.gate")]
+    assert hooks, "no MoE router found in the target"
+    llm.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    for h in hooks:
+        h.remove()
+    del llm
+    tops = [logits.sort(descending=True).values for x, logits in last.values() if bool(x.ne(0).any())]
+    return min(float(top[k - 1] - top[k]) for top in tops) if tops else float("inf")
