@@ -8,8 +8,6 @@ off."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -174,7 +172,10 @@ def test_temperature_one_keeps_the_target_distribution(target_dir, hspec_dir, tm
     """1200 requests of one prompt; each of the first three generated tokens is
     checked against the target's exact marginal (chi-square, p > 1e-3 each). Token 2 and 3 come from
     verification rounds of selected lengths 1..8. The same samples are rejected (p < 1e-6) against the
-    marginal one position off, the error a misaligned trim would make."""
+    marginal one position off, the error a misaligned trim would make. This check is weak against
+    sampler errors (a resample from p instead of the residual passes it most of the time): those are
+    tested with power in tests/engine/test_sampling_distribution.py and
+    tests/serving/test_sampling_engine.py, with planted samplers that must fail."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prompt = torch.randint(0, 95, (12,), generator=gen).tolist()
     seed = int(torch.randint(0, 2**20, (), generator=gen))
@@ -198,7 +199,9 @@ def test_temperature_one_keeps_the_target_distribution(target_dir, hspec_dir, tm
         off = chi_square_p([o[t] for o in outputs], marginals[t - 1])
         print(f"token {t + 1} against token {t}'s marginal: p = {off:.2e}")
         assert off < 1e-6
-    assert not math.isnan(counters["num_draft_tokens"])
+    # drafts were verified, and both branches of the rejection sampler ran: accepted drafts and
+    # rejections resampled from the residual
+    assert counters["num_draft_tokens"] > counters["num_accepted_tokens"] > 0
 
 
 # --- configuration errors at engine start --------------------------------------------------------
