@@ -105,8 +105,9 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
     batch_s = time.perf_counter() - t0
     after = spec_counters(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    # top-2 log-probability gap at each output position (where a divergence is a floating-point near-tie)
-    gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
+    # the top-2 (token, log-probability) at each output position, and their gap (where a divergence
+    # is a floating-point near-tie): tests/serving/identity.py judges runs from these
+    top2 = [[top2_of(lp) for lp in o.outputs[0].logprobs] for o in outs] if logprobs else None
     greedy = SamplingParams(temperature=0, max_tokens=settings.max_tokens, ignore_eos=True)
     counters, acceptance_length = counter_delta(before, after)
     bs1_tokens, t0 = 0, time.perf_counter()
@@ -127,8 +128,9 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
         "engine_args": engine_kw,
         "engine_start_s": start_s,
     }
-    if gaps is not None:
-        result["top2_gaps"] = gaps
+    if top2 is not None:
+        result["top2"] = top2
+        result["top2_gaps"] = [[a[1] - b[1] if b else None for a, b in row] for row in top2]
     # with tensor parallelism the proposer lives in the worker processes: no selector stats, no spec sweep
     in_process = llm.llm_engine.vllm_config.parallel_config.world_size == 1
     selector = length_selector(llm) if spec is not None and in_process else None
@@ -147,9 +149,10 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
     return result
 
 
-def _top2_gap(position_logprobs) -> float | None:
-    values = sorted((x.logprob for x in position_logprobs.values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else None
+def top2_of(position_logprobs) -> list[list | None]:
+    """``[[token, logprob], [runner-up, logprob]]`` at one position (``None`` for a missing runner-up)."""
+    ranked = sorted(((int(t), float(x.logprob)) for t, x in position_logprobs.items()), key=lambda p: -p[1])
+    return [list(ranked[0]), list(ranked[1]) if len(ranked) > 1 else None]
 
 
 def sweep_round_times(llm, spec, prompts, lengths: list[int], batches: list[int], steps: int,
@@ -279,7 +282,8 @@ def compare(
                                      "{...}) or NAME=none (plain decoding); repeatable, the first is the reference"),
     max_tokens: int = typer.Option(128, min=1, help="greedy tokens per prompt"),
     bs1_prompts: int = typer.Option(4, min=0, help="prompts also timed one at a time (batch size 1)"),
-    logprobs: bool = typer.Option(False, help="record the top-2 log-probability gap at every output position"),
+    logprobs: bool = typer.Option(False, help="record the top-2 tokens and log-probabilities (and their gap) at "
+                                  "every output position, and the prompts' token ids"),
     isolate: bool = typer.Option(False, help="each config in its own process (an engine's GPU memory is only "
                                  "certainly freed when its process ends)"),
     sweep_lengths: str = typer.Option(None, help="also time decode steps at these verification lengths, for configs "
@@ -298,7 +302,10 @@ def compare(
     token_prompts = prompts.load(engine.model)
     results = run_all(configs, engine, settings, token_prompts, out)
     typer.echo(summary_table(results, len(token_prompts)))
-    Path(out).write_text(json.dumps({"engine": asdict(engine), "settings": asdict(settings), "results": results}))
+    written = {"engine": asdict(engine), "settings": asdict(settings), "results": results}
+    if logprobs:  # what an identity check of the results needs besides them
+        written["prompts"] = [p["prompt_token_ids"] for p in token_prompts]
+    Path(out).write_text(json.dumps(written))
 
 
 compare = prompt_options(engine_options(compare))

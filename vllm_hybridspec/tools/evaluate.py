@@ -16,7 +16,9 @@ selector is switched between the measurements (``LengthSelector.configure``):
    length shared by the batch, and the gate). For each: the greedy outputs of all
    prompts submitted at once (each mode's compared token for token with ``plain``), vLLM's
    spec-decode counters over them, the lengths the selector chose, and decode steps at each batch
-   size (ms per step, tokens per step, tokens/s).
+   size (ms per step, tokens per step, tokens/s). With ``logprobs`` each mode also records the top-2
+  tokens and log-probabilities at every output position, as ``hybridspec compare --logprobs`` does, so
+  the outputs can be judged against a separate plain engine's (``tests/serving/identity.py``).
 
 ``plain`` here is vLLM's own decode path in the speculative engine: what the engine runs whenever
 the gate turns drafting off. ``reference`` (a ``hybridspec replay-record`` continuations file, i.e.
@@ -72,19 +74,20 @@ def configure_mode(selector, mode: str, k: int, policy: str | None) -> None:
 
 
 def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list[dict], max_tokens: int,
-             batch_sizes: list[int], steps: int, warmup: int) -> dict:
-    """Greedy outputs, counters and per-batch-size step times of one mode."""
+             batch_sizes: list[int], steps: int, warmup: int, logprobs: bool = False) -> dict:
+    """Greedy outputs (with their top-2 log-probabilities when ``logprobs``), counters and per-batch-size
+    step times of one mode."""
     from vllm import SamplingParams
 
-    from vllm_hybridspec.tools.compare import counter_delta, spec_counters
+    from vllm_hybridspec.tools.compare import counter_delta, spec_counters, top2_of
     from vllm_hybridspec.tools.costs import time_decode_steps
 
     configure_mode(selector, mode, k, policy)
     before_stats = selector.stats()
     before = spec_counters(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                logprobs=2 if logprobs else None), use_tqdm=False)
     batch_s = time.perf_counter() - t0
     after = spec_counters(llm)
     counters, acceptance_length = counter_delta(before, after)
@@ -101,6 +104,8 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
         "gated_steps": stats["gated_steps"] - before_stats["gated_steps"],
         "steps": {},
     }
+    if logprobs:
+        result["top2"] = [[top2_of(lp) for lp in o.outputs[0].logprobs] for o in outs]
     for b in batch_sizes:
         t = time_decode_steps(llm, prompts, b, steps, warmup, f"{mode}-b{b}")
         result["steps"][str(b)] = {**t.summary(), "tokens_per_s": round(t.tokens / (sum(t.ms) / 1e3), 2)}
@@ -110,7 +115,8 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
 def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: list[dict], out_dir: Path,
              records: str | None = None, policy: str | None = None, lengths: list[int] | None = None,
              batch_sizes: list[int] = (1,), modes: list[str] = MODES, steps: int = 32, warmup: int = 4,
-             max_tokens: int = 64, min_length: int = 1, reference: str | None = None, progress=print) -> dict:
+             max_tokens: int = 64, min_length: int = 1, reference: str | None = None, logprobs: bool = False,
+             progress=print) -> dict:
     """Costs (when ``lengths``), the policy fit (when ``records``; else ``policy`` is used as given) and
     the ``modes``, all on one engine; writes ``costs.json`` (+ ``costs.runs.json``), ``policy.json`` and
     ``evaluate.json`` under ``out_dir`` and returns the last one's content."""
@@ -159,6 +165,8 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
     result: dict = {"model": model, "speculative_config": spec, "engine_args": engine_args,
                     "engine_start_s": round(time.perf_counter() - t0, 1),
                     "kv_capacity_tokens": kv_capacity_tokens(llm), "modes": {}}
+    if logprobs:
+        result["prompts"] = [p["prompt_token_ids"] for p in prompts]
     progress(f"engine started in {result['engine_start_s']} s, KV capacity {result['kv_capacity_tokens']} tokens")
     selector = engine_selector(llm, spec["method"])
 
@@ -181,7 +189,7 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
     result["policy"] = policy
 
     for mode in modes:
-        r = run_mode(llm, selector, mode, k, policy, prompts, max_tokens, list(batch_sizes), steps, warmup)
+        r = run_mode(llm, selector, mode, k, policy, prompts, max_tokens, list(batch_sizes), steps, warmup, logprobs)
         if expected is not None:
             r["identical_to_plain_engine"] = identical_prompts(r["outputs"], expected)
         result["modes"][mode] = r
@@ -261,6 +269,8 @@ def evaluate_command(
     min_length: int = typer.Option(1, min=1, max=2, help="shortest length the policy may pick (1 or 2)"),
     reference: Path = typer.Option(None, help="continuations of a plain engine (hybridspec replay-record) to compare "
                                    "every mode's greedy output with"),
+    logprobs: bool = typer.Option(False, help="record the top-2 tokens and log-probabilities at every output "
+                                  "position of every mode, and the prompts' token ids"),
     out_dir: Path = typer.Option(..., help="costs.json, policy.json, evaluate.json and summary.md go here"),
 ) -> None:
     """Costs, a fitted policy and decode speed / greedy output with drafting off, every draft verified and
@@ -273,7 +283,8 @@ def evaluate_command(
                           policy=policy and str(policy), lengths=int_list(lengths, "lengths") if lengths else None,
                           batch_sizes=int_list(batch_sizes, "batch-sizes"), modes=[m for m in modes.split(",") if m],
                           steps=steps, warmup=warmup, max_tokens=max_tokens, min_length=min_length,
-                          reference=reference and str(reference), progress=lambda line: typer.echo(line))
+                          reference=reference and str(reference), logprobs=logprobs,
+                          progress=lambda line: typer.echo(line))
     except ValueError as e:  # bad settings, prompts, records or policy (InputError is a ValueError)
         typer.echo(f"hybridspec evaluate: error: {e}", err=True)
         raise typer.Exit(2) from None
