@@ -93,6 +93,20 @@ def save_dflash(target_dir, out_dir, num_layers: int):
     return out_dir
 
 
+@pytest.fixture
+def async_scheduling(monkeypatch):
+    """``CpuPlatform.check_and_update_config`` turns async scheduling off; keep it on, as a GPU has it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async(cls, vllm_config):
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
+
+
 def runner_of(llm):
     """The in-process engine's model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner

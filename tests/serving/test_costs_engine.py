@@ -26,6 +26,8 @@ from typer.testing import CliRunner
 from vllm_hybridspec.tools.calibrate import calibrate_app
 from vllm_hybridspec.policy.cost import load_costs
 
+from .identity import TIES, GreedyRun, check_identity
+
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,13 +213,13 @@ app(["compare", *sys.argv[1:]])
 """
 
 MISSING_DRAFTER = "/nonexistent/hspec-drafter-for-test"
-NUM_PROMPTS, MAX_TOKENS = 3, 16
+NUM_PROMPTS, MAX_TOKENS, MIN_IDENTICAL = 16, 32, 15
 
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     """Plain decoding, a config whose drafter path does not exist, and H-Spec (K = 7) fixed at length 8,
-    each in its own spawned process, on 3 held-out prompts (float32: a divergence from plain decoding
+    each in its own spawned process, on 16 held-out prompts (float32: a divergence from plain decoding
     can then only be a floating-point near-tie, not a bfloat16 rounding step)."""
     out = tmp_path_factory.mktemp("compare") / "compare.json"
     hspec = {**SPEC, "hybridspec": {"fixed_length": K + 1}}
@@ -251,11 +253,13 @@ def test_compare_isolated_configs_and_a_failing_one(compared):
 
 
 def test_compare_greedy_identity_or_near_tie(compared):
-    """H-Spec's greedy outputs equal plain decoding's, except where the outputs first part at a position
-    whose plain top-2 log-probability gap is below 1e-3 (a floating-point near-tie). Every output token
-    has one top-2 gap, and gaps are >= 0. The drafter really speculated (drafts verified, some accepted),
-    so the identity is not that of a drafter that never proposes."""
-    results, _ = compared
+    """H-Spec's greedy outputs pass the shared identity check (``identity.py``) against plain decoding
+    from the tool's recorded top-2 tokens and log-probabilities: at least 15 of 16 prompts identical,
+    and a divergence only where both runs have a floating-point tie (plain's top-2 gap below 1e-3 there
+    too, as the tool's own bookkeeping says). Every output token has one top-2 gap, and gaps are >= 0.
+    The drafter really speculated (drafts verified, some accepted), so the identity is not that of a
+    drafter that never proposes."""
+    results, raw = compared
     plain, hspec = results["plain"], results["hspec"]
     for r in (plain, hspec):
         gaps = r["top2_gaps"]
@@ -268,6 +272,10 @@ def test_compare_greedy_identity_or_near_tie(compared):
             divergence_gaps.append(plain["top2_gaps"][p][first])
     print(f"identical {NUM_PROMPTS - len(divergence_gaps)}/{NUM_PROMPTS}, divergence gaps {divergence_gaps}")
     assert all(g < 1e-3 for g in divergence_gaps), divergence_gaps
+    assert len(raw["prompts"]) == NUM_PROMPTS
+    check_identity(GreedyRun.from_compare(hspec, raw["prompts"]), GreedyRun.from_compare(plain, raw["prompts"]),
+                   "hybridspec compare, reference dense + H-Spec at w = 8", tie=TIES["reference-dense"],
+                   min_identical=MIN_IDENTICAL)
     # the script's own bookkeeping agrees
     assert hspec["identical_prompts"] == NUM_PROMPTS - len(divergence_gaps)
     assert hspec["divergence_gaps"] == divergence_gaps

@@ -2,7 +2,8 @@
 reference hybrid target with its trained H-Spec drafter and the one-slot GDN layer measures the costs
 (fixed lengths, and plain steps with drafting off), fits a policy to the drafter's committed round
 records, and decodes in every mode; the modes' greedy outputs, vLLM's counters and the selector's
-lengths must agree with each other.
+lengths must agree with each other, and every mode's greedy output must pass the shared identity check
+(``identity.py``) against a separate plain engine.
 
 The engine runs in a child process with ``OMP_NUM_THREADS=1`` (see test_costs_engine.py).
 """
@@ -20,6 +21,8 @@ import pytest
 from vllm_hybridspec.tools.evaluate import identical_prompts
 from vllm_hybridspec.policy.cost import load_costs
 from vllm_hybridspec.policy.policy_file import load_policy
+
+from .identity import TIES, GreedyRun, check_identity
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,8 +61,21 @@ def evaluate_args(spec: dict, prompts: Path, out: Path, lengths=LENGTHS, modes=N
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     out = tmp_path_factory.mktemp("evaluate")
-    stdout = run_child(evaluate_args(SPEC, MODELS / "prompts" / "heldout.jsonl", out))
+    stdout = run_child([*evaluate_args(SPEC, MODELS / "prompts" / "heldout.jsonl", out), "--logprobs"])
     return out, json.loads((out / "evaluate.json").read_text()), stdout
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tmp_path_factory):
+    """Greedy decoding of the same prompts by a separate plain engine with the same settings
+    (``hybridspec compare`` with plain decoding only), with the top-2 log-probabilities."""
+    out = tmp_path_factory.mktemp("plain") / "plain.json"
+    run_child(["-m", "vllm_hybridspec.cli", "compare", "--model", str(MODELS / "hybrid"),
+               "--prompts", str(MODELS / "prompts" / "heldout.jsonl"), "--num-prompts", str(PROMPTS),
+               "--config", "plain=none", "--max-tokens", str(MAX_TOKENS), "--bs1-prompts", "0", "--logprobs",
+               "--engine-args", json.dumps({**ENGINE, "max_num_seqs": PROMPTS}), "--out", str(out)])
+    raw = json.loads(out.read_text())
+    return GreedyRun.from_compare(raw["results"][0], raw["prompts"])
 
 
 def test_costs_and_policy_from_one_engine(evaluated):
@@ -93,6 +109,17 @@ def test_every_mode_gives_plain_decodings_greedy_output(evaluated):
         assert identical_prompts(r["outputs"], plain) == PROMPTS, mode
     assert result["kv_capacity_tokens"] > 0
     assert "| sel-nogate |" in stdout
+
+
+def test_every_mode_passes_the_identity_check_against_a_separate_plain_engine(evaluated, plain_engine):
+    """Every mode (``plain`` too: vLLM's own path inside the speculative engine) against a plain engine
+    of its own: all prompts identical, and the log-probabilities at every position within the reference
+    hybrid's reordering noise."""
+    _, result, _ = evaluated
+    assert result["prompts"] == plain_engine.prompts
+    for mode, r in result["modes"].items():
+        check_identity(GreedyRun.from_compare(r, result["prompts"]), plain_engine, f"evaluate, mode {mode}",
+                       tie=TIES["reference-hybrid"], min_identical=PROMPTS)
 
 
 def test_modes_verify_what_they_say(evaluated):

@@ -10,22 +10,23 @@ finds matches in random text and some drafts are accepted."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from vllm import SamplingParams
 
-from .conftest import kv_capacity_tokens, runner_of
+from . import identity
+from .conftest import fresh_seed, kv_capacity_tokens, runner_of
+from .identity import ROUTER_TIE, TIES, GreedyRun, check_identity, routing_margin
 from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.timeout(900)
 
 VOCAB = 12
 NUM_PROMPTS, MAX_TOKENS = 24, 32
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-TIE = 1e-3  # nats: a top-2 gap this small is a floating-point tie for the float32 target
-ROUTER_TIE = 1e-4  # router logits: a top-k boundary this close is a floating-point tie in routing
+MIN_IDENTICAL = 20
+# 4 sequences and 64 batched tokens: prefill chunks share steps with spec-decode rows
+ENGINE = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
+          "max_num_seqs": 4, "max_num_batched_tokens": 64, "seed": 0, "mamba_ssm_cache_dtype": "float32",
+          "disable_log_stats": False}
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +50,17 @@ def prompts():
     return [{"prompt_token_ids": torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
 
 
-def fresh_seed(what: str) -> int:
-    """A new seed every run (vLLM reseeds torch's global generator when an engine starts, so it
-    cannot be the source); printed so a failing run can be reproduced: the environment variable
-    ``HYBRIDSPEC_TEST_SEED_<WHAT>`` (``what`` upper-cased, non-alphanumerics as ``_``) sets it."""
-    name = "HYBRIDSPEC_TEST_SEED_" + "".join(c if c.isalnum() else "_" for c in what.upper())
-    seed = int(os.environ[name]) if name in os.environ else int.from_bytes(os.urandom(4), "little") >> 1
-    print(f"{what} seed {seed} ({name})")
-    return seed
-
-
 def hybrid_llm(model, speculative_config=None, dtype="float32", **kwargs):
     from vllm import LLM
 
-    # 4 sequences and 64 batched tokens: prefill chunks share steps with spec-decode rows
-    args = {"model": model, "skip_tokenizer_init": True, "enforce_eager": True, "dtype": dtype, "max_model_len": 256,
-            "max_num_seqs": 4, "max_num_batched_tokens": 64, "seed": 0, "mamba_ssm_cache_dtype": "float32",
-            "speculative_config": speculative_config, "disable_log_stats": False}
-    return LLM(**{**args, **kwargs})
+    return LLM(**{**ENGINE, "model": model, "dtype": dtype, "speculative_config": speculative_config, **kwargs})
+
+
+def check_hybrid_identity(ours: GreedyRun, plain: GreedyRun, label: str, model: str, min_identical=MIN_IDENTICAL):
+    """The shared identity check for a tiny random hybrid (float32) against plain decoding, with the
+    routing margin measured at a divergence that is no token tie."""
+    return check_identity(ours, plain, label, tie=TIES["tiny-hybrid"], min_identical=min_identical,
+                          router_margin=lambda tokens: routing_margin(model, tokens, **ENGINE))
 
 
 def gdn_layers(llm):
@@ -88,61 +82,9 @@ def mamba_specs(llm):
 @pytest.fixture(scope="module")
 def plain(tiny_hybrid, prompts):
     llm = hybrid_llm(tiny_hybrid)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2))
-    # per prompt and position: the gap between plain decoding's two most likely tokens (nats)
-    gaps = [[abs(float(lp[0].logprob - lp[1].logprob)) for lp in
-             (sorted(step.values(), key=lambda x: -x.logprob) for step in o.outputs[0].logprobs)] for o in outs]
-    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "gaps": gaps, "tokens": kv_capacity_tokens(llm)}
+    result = {"run": identity.generate(llm, prompts, MAX_TOKENS), "tokens": kv_capacity_tokens(llm)}
     del llm
     return result
-
-
-def routing_margin(model: str, tokens: list[int]) -> float:
-    """The smallest gap, over the target's MoE layers, between the k-th and the (k+1)-th router logit
-    of the last token of ``tokens`` (top-k routing, k = ``num_experts_per_tok``), from a plain
-    prefill of the sequence with forward hooks on every router. Layers whose MoE input is exactly
-    zero for that token are left out: every expert maps it to zero, so their all-zero logits are no
-    tie that matters (the pad token's embedding row is zero, and the GDN layers' gated output keeps
-    it zero up to the first attention layer)."""
-    llm = hybrid_llm(model)
-    runner = runner_of(llm)
-    k = llm.llm_engine.vllm_config.model_config.hf_config.num_experts_per_tok
-    last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    hooks = [module.register_forward_hook(
-                 lambda mod, inp, out, name=name: last.__setitem__(name, (inp[0][-1].float(), out[0][-1].float())))
-             for name, module in runner.model.named_modules() if name.endswith("mlp.gate")]
-    assert hooks, "no MoE router found in the target"
-    llm.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0, max_tokens=1))
-    for h in hooks:
-        h.remove()
-    del llm
-    tops = [logits.sort(descending=True).values for x, logits in last.values() if bool(x.ne(0).any())]
-    return min(float(top[k - 1] - top[k]) for top in tops) if tops else float("inf")
-
-
-def check_identity(outputs, plain_outputs, plain_gaps, label, model=None, prompts=None):
-    """Token-for-token identity, up to floating-point ties: the spec path computes the same function in a
-    different order (parallel verify, multi-token attention), so where plain decoding's two best
-    tokens are within TIE nats the argmax may go either way. So may an MoE layer's top-k routing
-    where two router logits are within ROUTER_TIE: a different expert then changes the output by
-    far more than TIE (a draw of 2026-12-01: experts 0 and 7 of layer 3 at 1.068843 and 1.068840,
-    4.3 nats on the output; transformers' fp32 forward sided with the spec path there). A divergence
-    that is neither is a failure; at least 20 prompts must be identical throughout. ``model`` and
-    ``prompts`` let the check measure the routing margin at a divergence."""
-    identical, ties = 0, []
-    for n, (ours, ref, gaps) in enumerate(zip(outputs, plain_outputs, plain_gaps)):
-        if ours == ref:
-            identical += 1
-            continue
-        i = next(i for i, (x, y) in enumerate(zip(ours, ref)) if x != y)
-        margin = None
-        if gaps[i] >= TIE and model is not None:
-            margin = routing_margin(model, prompts[n]["prompt_token_ids"] + ref[:i])
-        ties.append((n, i, gaps[i], margin))
-    print(f"{label}: {identical}/{len(outputs)} prompts identical; divergences (prompt, position, plain top-2 "
-          f"gap, router top-k margin): {ties}")
-    assert all(gap < TIE or (margin is not None and margin < ROUTER_TIE) for _, _, gap, margin in ties), ties
-    assert identical >= 20
 
 
 def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts, plain):
@@ -155,14 +97,14 @@ def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts,
     specs = mamba_specs(llm)
     conv_width = TINY_QWEN3_NEXT["linear_conv_kernel_dim"] - 1
     assert specs and all(s.num_speculative_blocks == 0 and conv_width in s.shapes[0] for s in specs), specs
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+    ours = identity.generate(llm, prompts, MAX_TOKENS)
     metrics = {m.name: m for m in llm.get_metrics()}
     drafts = metrics["vllm:spec_decode_num_drafts"].value
     drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
     print(f"ngram, one-slot GDN: {drafts} drafts, {drafted} draft tokens, {accepted} accepted, "
           f"{drafted - accepted} rejected")
-    assert len(outputs) == NUM_PROMPTS >= 20
+    assert len(ours.tokens) == NUM_PROMPTS >= 20
     assert accepted > 0 and drafted - accepted > 0
     counts = dict(rounds_of(runner_of(llm)).stats)
     print(f"layouts of the spec steps: {counts}")
@@ -175,7 +117,7 @@ def test_greedy_identity_with_accepted_and_rejected_drafts(tiny_hybrid, prompts,
     assert counts["rows_on_vllm_path"] > 0
     print(f"rounds flushed before a forward: {counts.get('flushed_rounds', 0)}")
     del llm  # a routing-margin check starts an engine of its own
-    check_identity(outputs, plain["outputs"], plain["gaps"], "ngram, one-slot GDN", tiny_hybrid, prompts)
+    check_hybrid_identity(ours, plain["run"], "ngram, one-slot GDN", tiny_hybrid)
 
 
 def test_kv_capacity_with_15_speculative_tokens_equals_plain(tiny_hybrid, plain):
@@ -227,16 +169,12 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
     gen = torch.Generator().manual_seed(fresh_seed("H-Spec prompts"))
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()}
                for n in torch.randint(3, 40, (NUM_PROMPTS,), generator=gen)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = hybrid_llm(str(target))
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
-    plain_outputs = [list(o.outputs[0].token_ids) for o in outs]
-    plain_gaps = [[abs(float(lp[0].logprob - lp[1].logprob)) for lp in
-                   (sorted(step.values(), key=lambda x: -x.logprob) for step in o.outputs[0].logprobs)] for o in outs]
+    plain = identity.generate(llm, prompts, 24)
     del llm
     llm = hybrid_llm(str(target), {"method": "hspec", "model": str(tmp_path / "hspec"), "num_speculative_tokens": 7})
     assert all(layer.one_slot for layer in gdn_layers(llm))
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    ours = identity.generate(llm, prompts, 24)
     metrics = {m.name: m for m in llm.get_metrics()}
     drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
@@ -244,7 +182,7 @@ def test_greedy_identity_with_the_hspec_drafter(tmp_path):
           f"{accepted} accepted")
     assert drafted > accepted > 0
     del llm  # a routing-margin check starts an engine of its own
-    check_identity(outputs, plain_outputs, plain_gaps, "H-Spec, one-slot GDN", str(target), prompts)
+    check_hybrid_identity(ours, plain, "H-Spec, one-slot GDN", str(target))
 
 
 def test_routing_margin_sees_a_router_tie(tiny_hybrid, tmp_path):
@@ -262,9 +200,9 @@ def test_routing_margin_sees_a_router_tie(tiny_hybrid, tmp_path):
     save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
     # no pad token (0, a zero embedding row) last: its MoE inputs are zero up to the attention layer
     tokens = torch.randint(1, VOCAB, (17,), generator=torch.Generator().manual_seed(fresh_seed("router prompt"))).tolist()
-    random_margin = routing_margin(tiny_hybrid, tokens)
+    random_margin = routing_margin(tiny_hybrid, tokens, **ENGINE)
     assert ROUTER_TIE < random_margin < 100, random_margin
-    assert routing_margin(str(tied), tokens) == 0.0
+    assert routing_margin(str(tied), tokens, **ENGINE) == 0.0
 
 
 def test_compiled_target_runs_the_gdn_core(tiny_hybrid, prompts, plain, monkeypatch):
@@ -291,10 +229,10 @@ def test_compiled_target_runs_the_gdn_core(tiny_hybrid, prompts, plain, monkeypa
         layers = gdn_layers(llm)
         assert all(layer._cpu_core_op[0] is getattr(torch.ops.vllm, HSPEC_CPU_GDN_CORE_OP) for layer in layers)
         calls.clear()
-        outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        ours = identity.generate(llm, prompts, MAX_TOKENS)
         # every GDN layer ran its core while generating: at least once per decode step
         counts = {prefix: calls.count(prefix) for prefix in {layer.prefix for layer in layers}}
         print(f"{label}: core calls per GDN layer {counts}")
         assert all(c >= MAX_TOKENS for c in counts.values()), counts
         del llm  # a routing-margin check starts an engine of its own
-        check_identity(outputs, plain["outputs"], plain["gaps"], label, tiny_hybrid, prompts)
+        check_hybrid_identity(ours, plain["run"], label, tiny_hybrid)

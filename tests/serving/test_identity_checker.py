@@ -115,6 +115,10 @@ def test_a_router_tie_excuses_only_below_the_router_bound(runs):
     assert not judge(ours, plain, "router gap", tie=TIE, min_identical=PROMPTS - 1,
                      router_margin=margin(3 * ROUTER_TIE)).ok
     assert not judge(ours, plain, "no router", tie=TIE, min_identical=PROMPTS - 1).ok
+    # a verdict that fails anyway (too few identical) starts no routing-margin engine
+    asked.clear()
+    assert not judge(ours, plain, "too few", tie=TIE, min_identical=PROMPTS, router_margin=margin(0.0)).ok
+    assert asked == []
 
 
 def test_too_few_identical_prompts_fail_even_if_every_divergence_is_a_tie(runs):

@@ -11,7 +11,9 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+from . import identity
 from .conftest import make_llm
+from .identity import TIES, check_identity
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -57,21 +59,23 @@ def test_vllm_prompt_logprobs_equal_transformers(kind):
 
 def test_hybrid_hspec_greedy_identity_with_trained_drafter():
     prompts = [{"prompt_token_ids": p} for p in heldout_prompts("hybrid")]
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plain = reference_llm("hybrid")
-    expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, greedy, use_tqdm=False)]
-    del plain
+    llm = reference_llm("hybrid")
+    plain = identity.generate(llm, prompts, MAX_TOKENS)
+    del llm
     spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7,
             "hybridspec": {"gdn_kernel": True}}
     llm = reference_llm("hybrid", spec)
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    ours = identity.generate(llm, prompts, MAX_TOKENS)
+    got, expected = ours.tokens, plain.tokens
     metrics = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
                and not m.name.endswith("per_pos")}
     del llm
     drafts, accepted = metrics["vllm:spec_decode_num_drafts"], metrics["vllm:spec_decode_num_accepted_tokens"]
     print(f"reference hybrid + H-Spec, one-slot GDN: {sum(a == b for a, b in zip(got, expected))}/{len(prompts)} "
           f"identical; {drafts} drafts, {accepted} accepted, acceptance length {1 + accepted / drafts:.2f}")
-    assert got == expected
+    # every prompt identical, log-probabilities within the reference hybrid's reordering noise
+    check_identity(ours, plain, "reference hybrid + H-Spec, one-slot GDN", tie=TIES["reference-hybrid"],
+                   min_identical=len(prompts))
     # the trained drafter is right often enough that multi-token commits are exercised
     assert accepted / drafts > 0.2
     assert len(set(map(tuple, expected))) > len(prompts) // 2  # real, varied text (not a degenerate model)

@@ -176,20 +176,6 @@ def check_rounds(log: RoundLog, exact: set, k: int = K) -> list[tuple]:
     return counted
 
 
-@pytest.fixture
-def async_scheduling(monkeypatch):
-    """``CpuPlatform.check_and_update_config`` turns async scheduling off; keep it on, as a GPU has it."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def keep_async(cls, vllm_config):
-        original(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = True
-
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async))
-
-
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_replay_greedy_identity_and_acceptance(target_dir, hspec_dir, replay_setup, scheduling, request):
     if scheduling == "async":
@@ -330,7 +316,7 @@ def test_bad_replay_configs_fail_at_engine_start(target_dir, hspec_dir, replay_s
 def test_replay_on_the_tiny_hybrid(tmp_path, request):
     """An 8-layer hybrid Qwen3-Next target (one-slot GDN verification) with an H-Spec drafter reading its
     two full-attention layers, under async scheduling: greedy identity with a plain engine up to
-    floating-point ties (test_gdn_layer_engine.check_identity), and every round of a request whose
+    floating-point ties (the shared check, ``identity.py``), and every round of a request whose
     output is the recording's accepts exactly the replayed count."""
     from transformers import AutoConfig
     from vllm.distributed import cleanup_dist_env_and_memory
@@ -339,7 +325,9 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     from vllm_hybridspec.tools.replay_record import record_continuations
     from vllm_hybridspec.train.tiny_target import save_tiny_qwen3_next
 
-    from .test_gdn_layer_engine import check_identity, fresh_seed, gdn_layers, hybrid_llm
+    from . import identity
+    from .conftest import fresh_seed
+    from .test_gdn_layer_engine import check_hybrid_identity, gdn_layers, hybrid_llm
 
     # the dense engines before this one set up vLLM's process groups without the expert-parallel one
     cleanup_dist_env_and_memory()
@@ -359,11 +347,8 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     record_continuations(str(target), ps, max_tokens, k, tmp_path / "cont.jsonl", **engine)
     recorded = {tuple(r["prompt_token_ids"]): r["output_token_ids"]
                 for r in map(json.loads, (tmp_path / "cont.jsonl").read_text().splitlines())}
-    llm = hybrid_llm(str(target))  # the tie check's gaps: plain decoding with the top-2 log-probabilities
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
-    gaps = [[abs(float(lp[0].logprob - lp[1].logprob)) for lp in
-             (sorted(step.values(), key=lambda x: -x.logprob) for step in o.outputs[0].logprobs)] for o in outs]
+    llm = hybrid_llm(str(target))  # the identity check's reference: plain decoding with the top-2 log-probabilities
+    plain_run = identity.generate(llm, [{"prompt_token_ids": p} for p in ps], max_tokens)
     del llm
     pool = synthetic_records(tmp_path / "rounds.jsonl", 0, d=k + 1, k=k)
     request.getfixturevalue("async_scheduling")
@@ -372,8 +357,8 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
                                                     "continuations": str(tmp_path / "cont.jsonl")}})
     assert runner_of(llm).use_async_scheduling and all(layer.one_slot for layer in gdn_layers(llm))
     log = RoundLog(llm)
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))]
+    ours = identity.generate(llm, [{"prompt_token_ids": p} for p in ps], max_tokens)
+    outputs = ours.tokens
     plain = [recorded[tuple(p)][:max_tokens] for p in ps]
     same = {tuple(p) for p, o, ref in zip(ps, outputs, plain) if o == ref}
     stats = drafter_of(llm).stats()
@@ -382,7 +367,7 @@ def test_replay_on_the_tiny_hybrid(tmp_path, request):
     print(f"hybrid replay: {len(same)}/{n} outputs are the recording's; vLLM {counters}; proposer {stats}; "
           f"records mean {pool.mean():.3f}")
     del llm
-    check_identity(outputs, plain, gaps, "replay on the hybrid", str(target), [{"prompt_token_ids": p} for p in ps])
+    check_hybrid_identity(ours, plain_run, "replay on the hybrid", str(target))
     assert stats["left_requests"] <= n - len(same) and stats["unrecorded_requests"] == 0
     assert counters[:2] == (stats["rounds"], stats["draft_tokens"]) == (len(rounds), k * len(rounds))
     # a round where an output leaves its recording (a floating-point tie) accepts less than planned

@@ -17,8 +17,11 @@ from vllm_hybridspec.policy.acceptance import FEATURES
 from vllm_hybridspec.policy.policy_file import PolicyFile
 
 from ..tiny_models import VOCAB
+from . import identity
 from .conftest import drafter_of, make_llm, runner_of
-from .test_engine import GREEDY, NUM_PROMPTS, prompts, token_ids
+from .identity import TIES, GreedyRun, check_identity
+from .test_engine import MAX_TOKENS as GREEDY_TOKENS
+from .test_engine import NUM_PROMPTS, prompts, token_ids
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -60,7 +63,21 @@ def vllm_counters(llm) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def plain(target_dir):
-    return token_ids(make_llm(target_dir).generate(prompts(), GREEDY))
+    return identity.generate(make_llm(target_dir), prompts(), GREEDY_TOKENS)
+
+
+def check_greedy_identity(llm, plain: GreedyRun, label: str, max_tokens: list[int] | None = None) -> GreedyRun:
+    """The shared identity check against the plain engine: every prompt identical (``max_tokens``: each
+    prompt's own limit, plain decoding's output cut to it)."""
+    if max_tokens is None:
+        ours = identity.generate(llm, prompts(), GREEDY_TOKENS)
+    else:
+        params = [identity.greedy_params(m) for m in max_tokens]
+        ours = GreedyRun.from_outputs(prompts(), llm.generate(prompts(), params, use_tqdm=False))
+        plain = GreedyRun(plain.prompts, [t[:m] for t, m in zip(plain.tokens, max_tokens)],
+                          [t[:m] for t, m in zip(plain.top2, max_tokens)])
+    check_identity(ours, plain, label, tie=TIES["tiny-dense"], min_identical=NUM_PROMPTS)
+    return ours
 
 
 def check_scheduled_equals_selected(llm):
@@ -78,9 +95,8 @@ def check_scheduled_equals_selected(llm):
 def test_selected_lengths_greedy_identity(target_dir, hspec_dir, plain, tmp_path):
     llm = make_llm(target_dir, spec(hspec_dir, policy=confidence_policy(tmp_path / "p.json")),
                    disable_log_stats=False)
-    outputs = token_ids(llm.generate(prompts(), GREEDY))
-    assert len(outputs) == NUM_PROMPTS >= 20
-    assert outputs == plain
+    ours = check_greedy_identity(llm, plain, "selected lengths")
+    assert len(ours.tokens) == NUM_PROMPTS >= 20
     rows = check_scheduled_equals_selected(llm)
     # lengths varied: some rounds verified no draft, some verified several, and most lengths occurred
     assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
@@ -90,7 +106,7 @@ def test_selected_lengths_greedy_identity(target_dir, hspec_dir, plain, tmp_path
 def test_batched_shared_length_greedy_identity(target_dir, hspec_dir, plain, tmp_path):
     policy = confidence_policy(tmp_path / "p.json", batched=[1, 4, 8])
     llm = make_llm(target_dir, spec(hspec_dir, policy=policy, batched=True), disable_log_stats=False)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == plain
+    check_greedy_identity(llm, plain, "batched shared length")
     rows = check_scheduled_equals_selected(llm)
     assert set(rows) - {1} and set(rows) <= {1, 2, 3, 4, 5, 6, 7, 8}
 
@@ -98,7 +114,7 @@ def test_batched_shared_length_greedy_identity(target_dir, hspec_dir, plain, tmp
 def test_fixed_length_and_output_budget(target_dir, hspec_dir, plain, tmp_path):
     """fixed_length=4 verifies 3 drafts per round, fewer only where max_tokens leaves less room."""
     llm = make_llm(target_dir, spec(hspec_dir, fixed_length=4), disable_log_stats=False)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == plain
+    check_greedy_identity(llm, plain, "fixed length 4")
     rows = check_scheduled_equals_selected(llm)
     assert set(rows) <= {1, 2, 3, 4} and rows[4] > rows.get(2, 0) + rows.get(3, 0)
 
@@ -108,7 +124,7 @@ def test_gate_turns_drafting_off(target_dir, hspec_dir, plain, tmp_path):
     draft scheduled, greedy output unchanged."""
     policy = confidence_policy(tmp_path / "p.json", gate={1: False})
     llm = make_llm(target_dir, spec(hspec_dir, policy=policy), disable_log_stats=False)
-    assert token_ids(llm.generate(prompts(), GREEDY)) == plain
+    check_greedy_identity(llm, plain, "gate off")
     selector = drafter_of(llm).length_selector
     counters = vllm_counters(llm)
     print("gate off:", selector.stats(), counters)
@@ -122,8 +138,7 @@ def test_gate_on_at_small_batches_off_at_large(target_dir, hspec_dir, plain, tmp
     policy = confidence_policy(tmp_path / "p.json", gate={1: True, 6: False})
     llm = make_llm(target_dir, spec(hspec_dir, policy=policy), disable_log_stats=False)
     max_tokens = [3 + (7 * i) % 22 for i in range(NUM_PROMPTS)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    assert token_ids(llm.generate(prompts(), params)) == [o[:m] for o, m in zip(plain, max_tokens)]
+    check_greedy_identity(llm, plain, "gate on below 6 requests", max_tokens)
     stats = drafter_of(llm).length_selector.stats()
     print("gate on below 6 requests:", stats, vllm_counters(llm))
     assert 0 < stats["gated_steps"] < stats["steps"] and vllm_counters(llm)["num_drafts"] > 0
@@ -237,7 +252,7 @@ def test_dflash_adapter_selects_lengths_greedy_identity(target_dir, plain, tmp_p
     llm = make_llm(target_dir, {"method": "dflash", "model": str(dflash), "num_speculative_tokens": K,
                                 "hybridspec": {"policy": policy}}, disable_log_stats=False)
     assert type(drafter_of(llm)).__name__ == "RunnerDFlashProposer"
-    assert token_ids(llm.generate(prompts(), GREEDY)) == plain
+    check_greedy_identity(llm, plain, "DFlash adapter, selected lengths")
     rows = check_scheduled_equals_selected(llm)
     assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
 
@@ -285,8 +300,7 @@ def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path
     assert runner_of(llm).use_async_scheduling
     assert type(llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "AsyncScheduler"
     max_tokens = [3 + (7 * i) % 22 for i in range(NUM_PROMPTS)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    assert token_ids(llm.generate(prompts(), params)) == [o[:m] for o, m in zip(plain, max_tokens)]
+    check_greedy_identity(llm, plain, f"async {options}", max_tokens)
     selector = drafter_of(llm).length_selector
     counters = vllm_counters(llm)
     print(f"async {options}: selector {selector and selector.stats()} | vLLM {counters}")

@@ -1,0 +1,150 @@
+"""Negative controls of the shared identity check (``identity.py``): three bugs planted in the running
+engine, each of which the check must fail, next to the same engines without the bug, which it must
+pass. A tiny random hybrid Qwen3-Next target (float32, one-slot GDN layer) against a separate plain
+engine, 24 prompts x 24 tokens:
+
+- **commit m - 1**: the lazy commit advances each round's state by one token fewer than it accepted
+  (``PendingRounds.sampled`` is handed each row's output less its last accepted token, so ``m`` is
+  one short; the emitted tokens are untouched), ngram drafts;
+- **no conv shift**: the verification reads the conv window without shifting in the pending round's
+  ``m`` inputs (``layer.commit_conv_windows`` a no-op, the planted bug of ``engine/gdn/check.py``'s
+  self-check test), ngram drafts;
+- **over-trim**: under async scheduling the length selector's cut of the scheduler output leaves
+  each verified draft list one token shorter than the tokens scheduled for it (the rejection sampler
+  then checks the drafts against logits one position off), H-Spec drafts at a fixed length of 3.
+  Under sync scheduling the cut lists *are* the schedule, so one token too many cut there only
+  verifies one draft fewer: greedy output cannot change (``test_selection.py``'s counters catch that).
+
+The controls pass because the check fails (and would fail if it passed the planted bug)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import identity
+from .conftest import fresh_seed, runner_of
+from .identity import TIES, judge
+from .test_gdn_layer_engine import ENGINE, check_hybrid_identity, gdn_layers, hybrid_llm
+
+pytestmark = pytest.mark.timeout(900)
+
+VOCAB, NUM_PROMPTS, MAX_TOKENS, MIN_IDENTICAL = 12, 24, 24, 20
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "hybridspec": {"gdn_kernel": True}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The 4-layer tiny hybrid (layer 3 full attention) and a random H-Spec drafter reading layer 3."""
+    from transformers import AutoConfig
+
+    from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
+    from vllm_hybridspec.train.tiny_target import save_tiny_qwen3_next
+
+    root = tmp_path_factory.mktemp("identity_controls")
+    target = save_tiny_qwen3_next(root / "target", torch.float32, fresh_seed("controls hybrid weights"),
+                                  vocab_size=VOCAB, pad_token_id=0)
+    config = AutoConfig.from_pretrained(target)
+    selected, kv = default_layer_selection(config, num_selected=3, num_kv_reuse=1)
+    torch.manual_seed(fresh_seed("controls H-Spec drafter weights"))
+    HSpecDraftModel.from_training_args(
+        config, None, None, verifier_name_or_path=str(target), target_layer_ids=selected, kv_reuse_layer_ids=kv,
+        mask_token_id=VOCAB - 1, mamba_num_heads=4, mamba_head_dim=16, markov_rank=16,
+    ).save_pretrained(root / "hspec")
+    return str(target), str(root / "hspec")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(fresh_seed("controls prompts"))
+    lengths = torch.randint(3, 60, (NUM_PROMPTS,), generator=gen)
+    # no mask token (the drafter's, VOCAB - 1) in the prompts
+    return [{"prompt_token_ids": torch.randint(0, VOCAB - 1, (int(n),), generator=gen).tolist()} for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def plain(models, prompts):
+    llm = hybrid_llm(models[0])
+    run = identity.generate(llm, prompts, MAX_TOKENS)
+    del llm
+    return run
+
+
+def hspec(models):
+    return {"method": "hspec", "model": models[1], "num_speculative_tokens": 4,
+            "hybridspec": {"gdn_kernel": True, "fixed_length": 3}}
+
+
+def speculative_run(model, spec, prompts, async_scheduling=False):
+    llm = hybrid_llm(model, spec)
+    assert runner_of(llm).use_async_scheduling == async_scheduling
+    assert all(layer.one_slot for layer in gdn_layers(llm))
+    ours = identity.generate(llm, prompts, MAX_TOKENS)
+    metrics = {m.name: m.value for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode_num_") and not m.name.endswith("per_pos")}
+    del llm
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    print(f"{metrics['vllm:spec_decode_num_drafts']} drafts, {drafted} draft tokens, {accepted} accepted")
+    assert drafted > accepted > 0
+    return ours
+
+
+def caught(ours, plain, label, model):
+    """The shared check's verdict on a bugged engine (check_hybrid_identity's, without the assert): it
+    must fail."""
+    verdict = judge(ours, plain, label, tie=TIES["tiny-hybrid"], min_identical=MIN_IDENTICAL,
+                    router_margin=lambda tokens: identity.routing_margin(model, tokens, **ENGINE))
+    print(verdict)
+    assert not verdict.ok, f"the identity check passed the planted bug {label!r}"
+    return verdict
+
+
+def test_ngram_without_a_planted_bug_passes(models, prompts, plain):
+    check_hybrid_identity(speculative_run(models[0], NGRAM, prompts), plain, "control: ngram, no bug", models[0])
+
+
+@pytest.mark.parametrize("bug", ["commit m - 1", "no conv shift"])
+def test_a_planted_gdn_bug_fails_the_check(models, prompts, plain, monkeypatch, bug):
+    from vllm_hybridspec.engine.gdn import layer as layer_module
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
+    if bug == "commit m - 1":
+        sampled = PendingRounds.sampled
+
+        def one_short(self, output_token_ids):
+            # [N, K + 1], -1 after each row's accepted tokens: drop each row's last one
+            keep = (output_token_ids != -1).sum(1, keepdim=True) > torch.arange(
+                output_token_ids.shape[1], device=output_token_ids.device) + 1
+            return sampled(self, torch.where(keep, output_token_ids, -1))
+
+        monkeypatch.setattr(PendingRounds, "sampled", one_short)
+    else:
+        monkeypatch.setattr(layer_module, "commit_conv_windows", lambda *args: None)
+    verdict = caught(speculative_run(models[0], NGRAM, prompts), plain, f"control: ngram, {bug}", models[0])
+    assert verdict.identical < MIN_IDENTICAL
+
+
+def test_hspec_at_a_fixed_length_under_async_scheduling_passes(models, prompts, plain, async_scheduling):
+    ours = speculative_run(models[0], hspec(models), prompts, async_scheduling=True)
+    check_hybrid_identity(ours, plain, "control: H-Spec, fixed length 3, async, no bug", models[0])
+
+
+def test_an_over_trimming_selector_fails_the_check(models, prompts, plain, async_scheduling, monkeypatch):
+    from vllm_hybridspec.engine.length import trimming
+
+    trim = trimming.trim_scheduler_output
+
+    def one_too_many(event, cpu_counts, scheduler_output, req_id_to_index):
+        trim(event, cpu_counts, scheduler_output, req_id_to_index)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, tokens in list(drafts.items()):
+            if len(tokens) > 1:
+                drafts[req_id] = tokens[:-1]
+            else:
+                drafts.pop(req_id)
+
+    monkeypatch.setattr(trimming, "trim_scheduler_output", one_too_many)
+    ours = speculative_run(models[0], hspec(models), prompts, async_scheduling=True)
+    verdict = caught(ours, plain, "control: H-Spec, fixed length 3, async, over-trim", models[0])
+    assert verdict.identical < MIN_IDENTICAL
