@@ -107,6 +107,17 @@ def test_kv_reuse_of_a_gated_deltanet_layer_of_a_hybrid_target(hspec_dir, tmp_pa
     assert resolved["method"] == "dflash" and resolved["num_speculative_tokens"] == 7 and extra == {}
 
 
+def start_llm_in_a_subprocess(script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (an ``LLM(...)`` start) as a user would: its own process, vLLM's engine core in
+    another, this checkout's plugin (vLLM loads it by entry point, which may name another checkout's
+    copy)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_TARGET_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=110, check=False)
+
+
 def test_truncated_drafter_weights_fail_engine_start_with_one_line(tmp_path):
     """The whole user path, with vLLM's engine-core process as a user gets it: ``LLM(...)`` on the
     reference drafter with a truncated ``model.safetensors`` ends with one ``ValueError`` line and one
@@ -122,11 +133,7 @@ def test_truncated_drafter_weights_fail_engine_start_with_one_line(tmp_path):
         f"LLM(model={str(models / 'dense')!r}, skip_tokenizer_init=True, enforce_eager=True, dtype='float32', "
         f"max_model_len=256, speculative_config={{'method': 'hspec', 'model': {str(drafter)!r}}})\n"
     )
-    # this checkout's plugin (vLLM loads it by entry point, which may name another checkout's copy)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_TARGET_DEVICE": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=110, check=False)
+    run = start_llm_in_a_subprocess(script)
     assert run.returncode == 1
     assert run.stderr.count("Traceback (most recent call last)") == 1, run.stderr[-4000:]
     assert run.stderr.rstrip().splitlines()[-1] == (
@@ -150,10 +157,7 @@ def test_length_selection_with_vllms_own_gdn_path_fails_engine_start_with_one_li
         f"LLM(model={str(models / 'hybrid')!r}, skip_tokenizer_init=True, enforce_eager=True, dtype='float32', "
         f"max_model_len=256, mamba_ssm_cache_dtype='float32', speculative_config={spec!r})\n"
     )
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_TARGET_DEVICE": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
-                         timeout=110, check=False)
+    run = start_llm_in_a_subprocess(script)
     assert run.returncode == 1
     last = run.stderr.rstrip().splitlines()[-1]
     assert last.startswith(f'ValueError: "hybridspec": {{"gdn_kernel": false}} with "policy": {str(policy)!r} '
