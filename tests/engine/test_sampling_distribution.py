@@ -12,13 +12,13 @@ run through the same check, which must reject every non-greedy case of each."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from ..distribution import ALPHA, g_test, processed_probs, top_p_margin
+from ..seeds import fresh_seed
 
 V = 8  # vocabulary: 64 cells per joint distribution
 SAMPLES = 12_000  # per case
@@ -43,14 +43,6 @@ CASES = [
     Case("greedy", 0.0, 1.0, (0, 4), peak=1.0),
 ]
 RANDOM_CASES = [c.name for c in CASES if c.temperature > 0]
-
-
-def fresh_seed(what: str) -> int:
-    """A new seed every run, printed; ``HYBRIDSPEC_TEST_SEED_<WHAT>`` reproduces a run."""
-    name = "HYBRIDSPEC_TEST_SEED_" + "".join(c if c.isalnum() else "_" for c in what.upper())
-    seed = int(os.environ[name]) if name in os.environ else int.from_bytes(os.urandom(4), "little") >> 1
-    print(f"{what} seed {seed} ({name})")
-    return seed
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
 
+from ..seeds import fresh_seed  # noqa: F401  (re-exported for the engine tests)
 from ..tiny_models import MASK, VOCAB
 from ..tiny_models import tiny_qwen3_config as shared_tiny_qwen3_config
 
@@ -26,16 +27,6 @@ def float32_default_dtype():
     torch.set_default_dtype(torch.float32)
     yield
     torch.set_default_dtype(torch.float32)
-
-
-def fresh_seed(what: str) -> int:
-    """A new seed every run (vLLM reseeds torch's global generator when an engine starts, so it
-    cannot be the source); printed so a failing run can be reproduced: the environment variable
-    ``HYBRIDSPEC_TEST_SEED_<WHAT>`` (``what`` upper-cased, non-alphanumerics as ``_``) sets it."""
-    name = "HYBRIDSPEC_TEST_SEED_" + "".join(c if c.isalnum() else "_" for c in what.upper())
-    seed = int(os.environ[name]) if name in os.environ else int.from_bytes(os.urandom(4), "little") >> 1
-    print(f"{what} seed {seed} ({name})")
-    return seed
 
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
