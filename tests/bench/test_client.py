@@ -31,12 +31,14 @@ async def _paused_requests(url: str, n: int, pause: float, max_tokens: int = 6):
 def test_a_client_pausing_past_the_keep_alive_gets_every_request_answered():
     """Pauses of 1.3 s against a 1 s keep-alive: every second request goes out on the pooled connection
     the server has dropped (the other on the fresh one its retry left behind: a retry's connection is
-    not pooled). Each drop is retried exactly once and recorded; no request fails."""
+    not pooled). Each drop is retried exactly once and recorded; no request fails. Which requests meet
+    a drop shifts with the machine's timing (a loaded CI machine saw another order), not their count."""
     with StubServer(Faults(keepalive=1.0)) as server:
         results = asyncio.run(_paused_requests(server.url, 5, 1.3))
     assert server.stale_drops == 2  # the stub did drop requests: without the retry these two fail
     assert [r.ok for r in results] == [True] * 5 and [r.error for r in results] == [None] * 5
-    assert [r.retried is not None for r in results] == [False, True, False, True, False]
+    # which two requests meet a dropped connection depends on the machine's timing; each is retried once
+    assert sum(r.retried is not None for r in results) == server.stale_drops
     assert all("Disconnected" in r.retried or "reset" in r.retried.lower() for r in results if r.retried)
     assert server.completions == server.finished == 5  # the stub counts the requests it answered
     assert all(r.token_ids == StubServer.tokens_for(PROMPT, 6) and r.output_tokens == 6 for r in results)
