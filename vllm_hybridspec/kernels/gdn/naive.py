@@ -217,24 +217,55 @@ def commit_verify_(
 ) -> torch.Tensor:
     """:func:`commit_verify` in place: ``state`` (any strides, e.g. vLLM's CPU view of its pool) and
     ``slabs`` are updated, and ``o`` ``[T, HV, V]`` in the state's precision is returned. The one-slot
-    GDN layer's CPU path."""
+    GDN layer's CPU path. Sequences of one length and one committed count run as one call, their
+    heads side by side (:func:`merge_heads`)."""
     dtype = state.dtype
     o = torch.zeros(v.shape, dtype=dtype, device=v.device)
     cu, slots = cu_seqlens.tolist(), state_indices.tolist()
     entries, ms, targets = pending_entry.tolist(), pending_m.tolist(), target_entry.tolist()
+    HV = v.shape[1]
+    groups: dict[tuple[int, int], list[int]] = {}
     for i in range(len(slots)):
-        slot, bos, eos = slots[i], cu[i], cu[i + 1]
-        if slot <= 0 or eos <= bos:
-            continue
-        entry, m = entries[i], ms[i]
-        S = state[slot].to(slabs.z.dtype)
-        if entry >= 0 and m > 0:
-            rows = slice(entry * slab_len, (entry + 1) * slab_len)
-            S = reconstruct_state(S, CompactFactors(slabs.z[rows], slabs.k[rows], slabs.g_cum[rows]), m)
-            state[slot] = S.to(dtype)
-        out, factors = chunk_verify(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], S, scale,
-                                    use_qk_l2norm)
-        o[bos:eos] = out.to(dtype)
-        rows = slice(targets[i] * slab_len, targets[i] * slab_len + eos - bos)
-        slabs.z[rows], slabs.k[rows], slabs.g_cum[rows] = factors.z, factors.k, factors.g_cum
+        if slots[i] > 0 and cu[i + 1] > cu[i]:
+            m = ms[i] if entries[i] >= 0 else 0
+            groups.setdefault((cu[i + 1] - cu[i], max(m, 0)), []).append(i)
+    for (u, m), seqs in groups.items():
+        n = len(seqs)
+        idx = token_index(cu, seqs, u, v.device)
+        slot_t = torch.tensor([slots[i] for i in seqs], device=v.device)
+        S = state[slot_t].to(slabs.z.dtype)  # [n, HV, V, K]
+        if m > 0:
+            rows = token_index([entries[i] * slab_len for i in seqs], range(n), m, v.device)
+            factors = CompactFactors(merge_heads(slabs.z, rows), merge_heads(slabs.k, rows),
+                                     merge_heads(slabs.g_cum, rows))
+            S = reconstruct_state(S.reshape(n * HV, *S.shape[2:]), factors, m).reshape(S.shape)
+            state[slot_t] = S.to(dtype)
+        out, factors = chunk_verify(*(merge_heads(t, idx) for t in (q, k, v, g, beta)),
+                                    S.reshape(n * HV, *S.shape[2:]), scale, use_qk_l2norm)
+        o[idx] = split_heads(out, n).to(dtype)
+        rows = token_index([targets[i] * slab_len for i in seqs], range(n), u, v.device)
+        slabs.z[rows] = split_heads(factors.z, n)
+        slabs.k[rows] = split_heads(factors.k, n)
+        slabs.g_cum[rows] = split_heads(factors.g_cum, n)
     return o
+
+
+def token_index(starts: list[int], seqs, u: int, device=None) -> torch.Tensor:
+    """``[n, u]`` rows ``starts[i] .. starts[i] + u - 1`` of the sequences ``seqs`` (``starts``: e.g.
+    ``cu_seqlens`` as a list)."""
+    first = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=device)
+    return first[:, None] + torch.arange(u, device=device)
+
+
+def merge_heads(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Tokens ``idx`` ``[n, u]`` of ``x`` ``[T, H, *D]`` as one ``u``-token sequence of ``n * H`` heads,
+    ``[u, n * H, *D]``: head ``i * H + h`` is head ``h`` of sequence ``i``. Every function here treats
+    heads independently (value head ``h`` reads key head ``h // G``, which stays in its sequence), so
+    ``n`` sequences of one length run as one."""
+    y = x[idx].transpose(0, 1)  # [u, n, H, *D]
+    return y.reshape(y.shape[0], -1, *y.shape[3:])
+
+
+def split_heads(y: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`merge_heads` undone: ``[u, n * H, *D]`` -> ``[n, u, H, *D]``."""
+    return y.reshape(y.shape[0], n, -1, *y.shape[2:]).transpose(0, 1)
