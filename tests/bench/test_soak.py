@@ -5,6 +5,7 @@ request each fail the soak naming that check and no other (the negative controls
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -130,13 +131,19 @@ def test_ctrl_c_leaves_the_json_marked_interrupted(tmp_path, prompts):
     with StubServer() as server:
         proc = subprocess.Popen([sys.executable, "-m", "vllm_hybridspec.cli", "soak", "--url", server.url,
                                  "--prompts", str(tmp_path / "prompts.jsonl"), "-o", str(out), *ARGS,
-                                 "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         deadline = time.monotonic() + 90
         while server.completions <= PROBES + 4:  # the soak itself is under way
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            stdout, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"the soak did not exit within 60 s of SIGINT; its stacks:\n{stderr[-6000:]}")
     assert proc.returncode == 130
     assert stderr == f"hybridspec soak: error: interrupted; partial results in {out}\n"
     doc = json.loads(out.read_text())
