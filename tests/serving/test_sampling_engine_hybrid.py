@@ -1,0 +1,73 @@
+"""The engine sampling check (``sampling.py``, its docstring says how) on the tiny GDN + MoE hybrid
+with the one-slot GDN layer, and a planted one-slot commit one token short that it must reject."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import fresh_seed
+from .sampling import CASES, SAMPLES, V, draw_tables, rejected_cases, save_drafter, start
+from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_hybridspec.train.target import use_torch_gated_delta_rule
+
+    use_torch_gated_delta_rule()  # transformers' torch GDN, not fla's Triton kernels
+    root = tmp_path_factory.mktemp("sampling_hybrid")
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": V, "num_hidden_layers": 8, "pad_token_id": 0,
+                                     "initializer_range": 0.3})
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(fresh_seed("sampling hybrid target weights"))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(root / "target")
+    save_drafter(config, root / "target", root / "hspec", "sampling hybrid", 4, 2)
+    model.set_experts_implementation("eager")  # the grouped-mm experts refuse float64
+    return root, draw_tables(model.double(), "hybrid")
+
+
+def gdn_is_one_slot(llm) -> bool:
+    from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
+
+    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    layers = [m for name, m in context.items() if ".linear_attn" in name]
+    return bool(layers) and all(isinstance(m, HSpecQwenGDN) and m.one_slot for m in layers)
+
+
+def test_hybrid_target_keeps_the_joint_distribution(hybrid, tmp_path, monkeypatch):
+    root, tables = hybrid
+    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling hybrid engine")
+    assert gdn_is_one_slot(llm)
+    rejected, counts = rejected_cases(llm, tables, oracle, "hybrid, one-slot GDN, H-Spec, selected lengths")
+    assert rejected == {}
+    assert counts["drafted"] > counts["accepted"]  # rejections too: the residual was sampled
+
+
+def test_the_check_rejects_a_one_slot_commit_one_token_short(hybrid, tmp_path, monkeypatch):
+    """Planted in the one-slot layer: each round's lazy commit advances the state by one token fewer
+    than it accepted (``test_identity_controls.py``'s ``commit m - 1``). Token 3 then comes from a
+    wrong state whenever token 2 rejected its draft, which the rejected-often case does in 97 % of
+    its samples; a fifth of the samples suffice."""
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
+    sampled = PendingRounds.sampled
+
+    def one_short(self, output_token_ids):
+        keep = (output_token_ids != -1).sum(1, keepdim=True) > torch.arange(
+            output_token_ids.shape[1], device=output_token_ids.device) + 1
+        return sampled(self, torch.where(keep, output_token_ids, -1))
+
+    monkeypatch.setattr(PendingRounds, "sampled", one_short)
+    for case in CASES:
+        if case.temperature > 0:
+            monkeypatch.setattr(case, "samples", SAMPLES // 5)
+    root, tables = hybrid
+    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling hybrid engine, commit one short")
+    assert gdn_is_one_slot(llm)
+    assert "T=1.3, third-ranked drafts" in rejected_cases(llm, tables, oracle, "planted: one-slot commit m - 1")[0]
