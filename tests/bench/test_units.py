@@ -1,6 +1,7 @@
 """The benchmark's parsing and statistics, without a server."""
 
 import json
+import time
 
 import pytest
 
@@ -129,3 +130,38 @@ def test_report_merges_the_sweeps_of_one_configuration(tmp_path):
     assert "merged from small.json, big.json" in md
     with pytest.raises(ValueError, match="'all=': expected LABEL=PATH"):
         write_report(["all="], tmp_path / "out2")
+
+
+def test_a_cancelled_closed_loop_ends_even_if_a_request_swallows_the_cancellation():
+    """Ctrl-C cancels the closed loop while its clients wait on requests whose HTTP layer turns the
+    cancellation into an ordinary result (aiohttp's timeout can; a CI soak then ran on to its deadline).
+    The loop must end within a second, not at its deadline 30 s later, and start no new request."""
+    import asyncio
+
+    from vllm_hybridspec.bench.loadgen import closed_loop
+
+    sent = []
+
+    async def send(item):
+        sent.append(item)
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass  # swallowed, as a library that reports it as a timeout
+        return RequestResult(ok=True, output_tokens=1)
+
+    async def main():
+        results = []
+        task = asyncio.ensure_future(closed_loop(send, iter(range(10**6)), 4, time.monotonic() + 30,
+                                                 asyncio.Event(), lambda r: None, None, results))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        began = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        return time.monotonic() - began, len(sent), len(results)
+
+    seconds, num_sent, num_results = asyncio.run(main())
+    print(f"ended {seconds:.3f} s after the cancel; {num_sent} requests sent, {num_results} results")
+    assert seconds < 1.0
+    assert num_sent == num_results  # every request sent was answered, none sent after the cancel

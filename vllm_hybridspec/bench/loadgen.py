@@ -97,10 +97,15 @@ async def closed_loop(send, items: Iterator, c: int, deadline: float, outage: as
                       results: list[RequestResult]) -> None:
     """``c`` clients, each awaiting ``send(item)`` for the next of ``items`` as soon as its previous one
     returned, appending to ``results``; they stop when ``items`` run out, at ``deadline``
-    (``time.monotonic``) or once ``outage`` is set (a connection error the server's health confirms)."""
+    (``time.monotonic``) or once ``outage`` is set (a connection error the server's health confirms).
+
+    Cancelled (Ctrl-C), it cancels the clients and returns once each has ended its current request: a
+    client whose HTTP library turns the cancellation into an error (aiohttp's timeout can) starts no
+    other, so the loop cannot run on to its deadline. A client that raises cancels the others."""
+    stopping = asyncio.Event()
 
     async def client() -> None:
-        while not outage.is_set() and time.monotonic() < deadline:
+        while not stopping.is_set() and not outage.is_set() and time.monotonic() < deadline:
             item = next(items, None)
             if item is None:
                 return
@@ -110,7 +115,18 @@ async def closed_loop(send, items: Iterator, c: int, deadline: float, outage: as
             if res.connection_error and not await health():
                 outage.set()
 
-    await asyncio.gather(*(client() for _ in range(c)))
+    tasks = [asyncio.ensure_future(client()) for _ in range(c)]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        if not all(t.done() for t in tasks):  # cancelled, or a client raised
+            stopping.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks)
+    for t in tasks:
+        if not t.cancelled():
+            t.result()  # a client's exception
 
 
 def write_json(path: Path, doc: dict) -> None:
