@@ -100,6 +100,22 @@ def caught(ours, plain, label, model):
     return verdict
 
 
+def plant_commit_one_short(monkeypatch) -> None:
+    """The planted "commit m - 1": ``PendingRounds.sampled`` gets each row's output less its last
+    accepted token (shared with ``test_sampling_engine_hybrid.py``)."""
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
+    sampled = PendingRounds.sampled
+
+    def one_short(self, output_token_ids):
+        # [N, K + 1], -1 after each row's accepted tokens: drop each row's last one
+        keep = (output_token_ids != -1).sum(1, keepdim=True) > torch.arange(
+            output_token_ids.shape[1], device=output_token_ids.device) + 1
+        return sampled(self, torch.where(keep, output_token_ids, -1))
+
+    monkeypatch.setattr(PendingRounds, "sampled", one_short)
+
+
 def test_ngram_without_a_planted_bug_passes(models, prompts, plain):
     check_hybrid_identity(speculative_run(models[0], NGRAM, prompts), plain, "control: ngram, no bug", models[0])
 
@@ -107,18 +123,9 @@ def test_ngram_without_a_planted_bug_passes(models, prompts, plain):
 @pytest.mark.parametrize("bug", ["commit m - 1", "no conv shift"])
 def test_a_planted_gdn_bug_fails_the_check(models, prompts, plain, monkeypatch, bug):
     from vllm_hybridspec.engine.gdn import layer as layer_module
-    from vllm_hybridspec.engine.gdn.pending import PendingRounds
 
     if bug == "commit m - 1":
-        sampled = PendingRounds.sampled
-
-        def one_short(self, output_token_ids):
-            # [N, K + 1], -1 after each row's accepted tokens: drop each row's last one
-            keep = (output_token_ids != -1).sum(1, keepdim=True) > torch.arange(
-                output_token_ids.shape[1], device=output_token_ids.device) + 1
-            return sampled(self, torch.where(keep, output_token_ids, -1))
-
-        monkeypatch.setattr(PendingRounds, "sampled", one_short)
+        plant_commit_one_short(monkeypatch)
     else:
         monkeypatch.setattr(layer_module, "commit_conv_windows", lambda *args: None)
     verdict = caught(speculative_run(models[0], NGRAM, prompts), plain, f"control: ngram, {bug}", models[0])
