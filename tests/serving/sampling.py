@@ -107,14 +107,19 @@ def exact_tables(model, prompts: list[list[int]]) -> list[Tables]:
     return tables
 
 
+def first_draft_acceptance(case: Case, t: Tables) -> float:
+    """The exact probability that token 2 is the case's first draft (the draft after token 1)."""
+    p1 = processed_probs(t.l1, case.temperature, case.top_p)
+    return sum(float(p1[a]) * float(processed_probs(t.l2[a], case.temperature, case.top_p)[t.ranked([a], case.draft_rank)])
+               for a in range(V) if p1[a] > 0)
+
+
 def acceptable(case: Case, t: Tables) -> bool:
     """The case's first-draft acceptance in range, top-p cuts away from every cumulative sum over
     all weighted prefixes (float32 sampling makes the same cut), greedy choices no near-ties."""
     p1 = processed_probs(t.l1, case.temperature, case.top_p)
     x1 = [int(a) for a in torch.arange(V) if p1[a] > 0]
-    accept = sum(float(p1[a]) * float(processed_probs(t.l2[a], case.temperature, case.top_p)[t.ranked([a], case.draft_rank)])
-                 for a in x1)
-    if not case.accept[0] <= accept <= case.accept[1]:
+    if not case.accept[0] <= first_draft_acceptance(case, t) <= case.accept[1]:
         return False
     if case.temperature == 0:
         a = int(t.l1.argmax())
@@ -215,9 +220,7 @@ def rejected_cases(llm, tables: list[Tables], oracle: OracleDrafts, label: str) 
         joint = t.joint(case)
         counts = torch.bincount(x[:, 1] * V + x[:, 2], minlength=V * V).reshape(V, V)
         stat, p = g_test(counts, joint)
-        p1 = processed_probs(t.l1, case.temperature, case.top_p)
-        accept = sum(float(p1[a]) * float(processed_probs(t.l2[a], case.temperature, case.top_p)[t.ranked([a], case.draft_rank)])
-                     for a in range(V) if p1[a] > 0)
+        accept = first_draft_acceptance(case, t)
         drafted_first = torch.tensor([t.ranked([int(r[0])], case.draft_rank) for r in x])
         print(f"{label} | {case.name}: {case.samples} samples, P(first draft accepted) = {accept:.3f}, token 2 was "
               f"the first draft in {float((x[:, 1] == drafted_first).double().mean()):.3f}; G = {stat:.1f}, p = {p:.3g}")
