@@ -17,8 +17,8 @@
 #   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
 #                                        # verification length (w = 1, 2, 4 with the plugin's graphs, 8 = K + 1)
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
-#                                        # w = 1..16, B = 1, 4 (ours, K = 15), vLLM's GDN path (K = 15, all),
-#                                        # plain decoding
+#                                        # w = 1..16, B = 1, 4 (ours, K = 15, full graphs then piecewise),
+#                                        # plain decoding, vLLM's GDN path (K = 15 and 7, all)
 #   bash scripts/gpu_session.sh ref32    # reference hybrid, float32, default graphs, one-slot layer: greedy identity
 #                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
 #   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
@@ -129,12 +129,16 @@ slice|full35)
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$ENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
-  run ours python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
-    --out "$R/ours.json"
+  # the one-slot layer's spec steps in full graphs first, then plain, vLLM's own path, and the layer piecewise
+  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
+    --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
   run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \
     --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm15.json"
+  run ours python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
+    --out "$R/ours.json"
   run vllm7 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 8 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 7, \"hybridspec\": {\"gdn_kernel\": false}}" \
     --out "$R/vllm7.json"
