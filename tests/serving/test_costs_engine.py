@@ -244,8 +244,11 @@ def test_compare_isolated_configs_and_a_failing_one(compared):
     assert [r["name"] for r in raw["results"]] == ["plain", "broken", "hspec"]
     assert raw["settings"]["isolate"] is True
     broken = results["broken"]
-    assert set(broken) == {"name", "speculative_config", "error"}
+    assert set(broken) == {"name", "speculative_config", "error", "traceback"}
     assert MISSING_DRAFTER in broken["error"]
+    # where it was raised: file:line function frames, the innermost one in the project or vLLM
+    assert 1 <= len(broken["traceback"]) <= 12 and all(":" in f for f in broken["traceback"])
+    assert any("vllm" in f for f in broken["traceback"]), broken["traceback"]
     for name in ("plain", "hspec"):
         assert "error" not in results[name]
         outputs = results[name]["outputs"]

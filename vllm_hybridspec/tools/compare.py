@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -203,11 +204,22 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
+def _failure(name: str, spec, e: BaseException) -> dict:
+    """A failed config's result: the error in one line, and where it was raised (the innermost frames,
+    file:line function, which an engine running in-process would otherwise lose)."""
+    frames = traceback.extract_tb(e.__traceback__)[-TRACEBACK_FRAMES:]
+    return {"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}",
+            "traceback": [f"{f.filename}:{f.lineno} {f.name}" for f in frames]}
+
+
+TRACEBACK_FRAMES = 12
+
+
 def _run_in_child(conn, name, spec, engine, settings, prompts) -> None:
     try:
         conn.send(run_config(name, spec, engine, settings, prompts))
     except Exception as e:  # the parent records it
-        conn.send({"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"})
+        conn.send(_failure(name, spec, e))
     conn.close()
 
 
@@ -245,9 +257,11 @@ def run_all(configs: list[tuple[str, dict | None]], engine: EngineOptions, setti
             try:
                 result = run_config(name, spec, engine, settings, prompts)
             except Exception as e:
-                result = {"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}"}
+                result = _failure(name, spec, e)
         if "error" in result:
             print(f"[{name}] failed: {result['error']}", flush=True)
+            for frame in result.get("traceback", []):
+                print(f"[{name}]   at {frame}", flush=True)
         results.append(result)
         if out:
             Path(out).write_text(json.dumps({"engine": asdict(engine), "settings": asdict(settings),
