@@ -13,7 +13,7 @@
 #                                        # without the extra lengths, by default, and vLLM's own GDN path
 #   bash scripts/gpu_session.sh fullcheck # batch size SEQS (1) under vLLM's default graphs: plain, vLLM's own GDN path, and the
 #                                        # one-slot layer kept in full graphs with its recorded self-check
-#                                        # (VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph, engine/gdn/check.py)
+#                                        # (VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph, engine/gdn/check.py; CHECK=0: none)
 #   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
 #                                        # verification length (w = 1, 2, 4 with the plugin's graphs, 8 = K + 1)
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
@@ -102,7 +102,7 @@ bisect)
 fullcheck)
   [ -d /tmp/tiny-hybrid ] || bash scripts/gpu_session.sh smoke-model
   NG='"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3'
-  export VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph
+  export VLLM_HYBRIDSPEC_CHECK_ROUNDS="${CHECK:-graph}"  # CHECK=0: identity only, no recorded self-check
   run fullcheck python3 -m vllm_hybridspec.cli compare --model /tmp/tiny-hybrid --random-prompts --vocab 12 \
     --num-prompts 24 --max-tokens 32 --bs1-prompts 0 --dtype float32 --max-num-seqs "${SEQS:-1}" --gpu-mem 0.2 --isolate \
     --logprobs --engine-args "$ENG" --config plain=none \
