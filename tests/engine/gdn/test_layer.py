@@ -3,6 +3,7 @@ the layer and the page-size classmethods, and its errors), the rounds a step ver
 builder lays out a batch (``layout.StepLayout``), and the lazy commit over many steps against the
 float64 recurrence, with the planted bugs it catches."""
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -613,3 +614,62 @@ def test_conv_taps_are_never_cached_inside_a_cuda_graph_capture(monkeypatch):
     seen = {}
     _clean_dummy_run(lambda self: seen.setdefault("cached", hasattr(fresh, "_conv_fp32")))(runner)
     assert seen["cached"] is True
+
+
+def test_a_record_made_inside_a_capture_is_checked_only_after_a_forward_refreshed_it(monkeypatch):
+    """``VLLM_HYBRIDSPEC_CHECK_ROUNDS=graph``: vLLM builds spec-decode metadata only for captures, so a
+    full-graph shape's record is first made inside one, where its buffers hold garbage until a replay
+    (emulated: ``check._buffer`` returns garbage while "capturing"). Its stamp comes from the layer's
+    counters made outside captures, so the check leaves it alone until a forward refreshed it, then
+    checks it. Negative control: a stamp holding garbage too (as one made inside the capture did,
+    the H200 crash of docs/benchmarks/h200-2026-12-03) makes the check read the unrefreshed record
+    and fail as it did there."""
+    from vllm_hybridspec.engine.gdn import check
+
+    monkeypatch.setenv(check.CHECK_ENV, "graph")
+    monkeypatch.setattr(check, "_state", {"calls": 0, "worst": 0.0})
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    HK, HV, K, V, width, slots, seqs, S = 2, 4, 16, 16, 4, 8, 3, 4
+    layer = bare_layer(gen, HK, HV, K, V, width, slots, seqs, S, kernels=False)
+    conv_dim, T = 2 * HK * K + HV * V, 8
+    i32 = dict(dtype=torch.int32)
+    layout = SimpleNamespace(n=2, num_tokens=T, slots=torch.tensor([3, 5], **i32), cu=torch.tensor([0, 4, 8], **i32),
+                             slab=torch.tensor([0, 1], **i32), pending_entry=torch.tensor([-1, -1], **i32),
+                             pending_m=torch.tensor([0, 0], **i32), target_entry=torch.tensor([0, 2], **i32))
+    x, out = torch.randn(T, conv_dim, generator=gen), torch.randn(T, HV, V, generator=gen)
+    b, a = torch.randn(T, HV, generator=gen), torch.randn(T, HV, generator=gen)
+
+    check.warm_step_records(layer)  # the runner's dummy-run patch, before vLLM's captures
+    counters = layer._record_stamps
+    assert counters.shape == (check.MAX_RECORDS,) and int(counters.abs().sum()) == 0
+
+    def garbage(shape, dtype, device):  # what a capture leaves in memory whose fill it only recorded
+        return (torch.arange(math.prod(shape)).reshape(shape) + 100).to(dtype)
+
+    with monkeypatch.context() as capture:
+        capture.setattr(check, "_capturing", lambda: True)
+        capture.setattr(check, "_buffer", garbage)
+        record = check.graph_record(layer, layout, x, out)
+    assert record is not None
+    assert int(record.ints[1, 1]) > T  # the unrefreshed cu: round 0 would start past the record's tokens
+
+    check.check_recorded_steps([layer])  # not refreshed yet: left alone
+    assert check._state["calls"] == 0
+    assert record.stamp.data_ptr() == counters.data_ptr()  # its stamp is the first counter
+
+    record.before(layer, layout)  # a replay refreshes it (pure copies) ...
+    record.after(layer, layout, x, b, a, out)
+    assert int(record.stamp) == 1
+    check.check_recorded_steps([layer])  # ... and then it is checked, from valid buffers
+    assert check._state["calls"] == 1 and math.isfinite(check._state["worst"])
+
+    # negative control: a fresh record of another shape whose stamp holds garbage, as it did when
+    # the stamp was made inside the capture
+    layout2 = SimpleNamespace(**{**vars(layout), "num_tokens": 6, "cu": torch.tensor([0, 3, 6], **i32)})
+    with monkeypatch.context() as capture:
+        capture.setattr(check, "_capturing", lambda: True)
+        capture.setattr(check, "_buffer", garbage)
+        planted = check.graph_record(layer, layout2, x, out)
+    planted.stamp.fill_(123456)
+    with pytest.raises(RuntimeError, match="Kernel size can't be greater than actual input size"):
+        check.check_recorded_steps([layer])

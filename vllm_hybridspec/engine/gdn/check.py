@@ -145,21 +145,42 @@ def graph_check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "") == "graph"
 
 
+def _buffer(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A record's buffer (inside a capture the fill is only recorded: the memory holds garbage until a
+    replay, which the tests emulate by replacing this)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+MAX_RECORDS = 256  # record shapes per layer; later shapes go unchecked
+
+
+def warm_step_records(layer) -> None:
+    """With ``=graph``: the layer's record stamp counters, made now (the runner's dummy-run patch, outside
+    any capture). vLLM builds spec-decode metadata only for captures, so a full-graph shape's record is
+    first made inside one, where ``torch.zeros`` only records its fill: a stamp made there would hold
+    whatever its memory held until the first replay, and :func:`check_recorded_steps` would read a
+    record that nothing had refreshed (the H200 crash of ``docs/benchmarks/h200-2026-12-03``)."""
+    if graph_check_enabled() and not _capturing() and "_record_stamps" not in layer.__dict__:
+        layer._record_stamps = torch.zeros(MAX_RECORDS, dtype=torch.int64, device=layer.A_log.device)
+
+
 class StepRecord:
     """Device snapshots of one layer's forward for one round layout shape ``(n, T)``: the slots' states
     and windows before and after, the pending rounds' factors and inputs, the forward's inputs and
     outputs and its layout, refreshed by pure device copies at every forward of that shape, so a
     forward replayed from a full CUDA graph refreshes them too. :meth:`check` recomputes the forward
-    on the host from them and compares (``stamp`` tells whether they changed since the last look)."""
+    on the host from them and compares. ``stamp``, an element of the layer's counters made outside
+    any capture (:func:`warm_step_records`), counts the forwards that refreshed them: a record made
+    inside a capture is checked only once a replay has filled it."""
 
-    def __init__(self, layer, n: int, T: int, x: torch.Tensor, out: torch.Tensor):
+    def __init__(self, layer, n: int, T: int, x: torch.Tensor, out: torch.Tensor, stamp: torch.Tensor):
         from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
 
         pool, conv = _pool(layer), vllm_cpu_gdn_paths().conv_view(layer)
         f, S, dev = layer.factor_slabs, layer.slab_len, pool.device
 
         def zeros(shape, dtype):
-            return torch.zeros(tuple(shape), dtype=dtype, device=dev)
+            return _buffer(tuple(shape), dtype, dev)
 
         self.n, self.T, self.S = n, T, S
         self.pool_before, self.pool_after = (zeros((n, *pool.shape[1:]), pool.dtype) for _ in range(2))
@@ -173,8 +194,8 @@ class StepRecord:
         self.b = zeros((T, out.shape[1]), x.dtype)
         self.a = zeros((T, out.shape[1]), x.dtype)
         self.ints = zeros((6, n + 1), torch.int32)  # slots, cu, slab, pending entry, pending m, target entry
-        self.stamp = zeros((), torch.int64)
-        self.seen = 0
+        self.stamp = stamp
+        self.seen = 0  # a fresh counter: nothing has advanced it yet
 
     def before(self, layer, layout) -> None:
         from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
@@ -265,13 +286,18 @@ def _pool(layer) -> torch.Tensor:
     return layer.kv_cache[1] if layer.kernels else layer.state_pool()
 
 
-def graph_record(layer, layout, x: torch.Tensor, out_like: torch.Tensor) -> StepRecord:
+def graph_record(layer, layout, x: torch.Tensor, out_like: torch.Tensor) -> StepRecord | None:
     """The layer's :class:`StepRecord` for this layout's shape, made at the first forward of that shape
-    (inside a capture: from the graph's pool, kept alive by the layer)."""
+    (inside a capture: from the graph's pool, kept alive by the layer; its stamp from the counters of
+    :func:`warm_step_records`); ``None`` when no stamp is left."""
     records = layer.__dict__.setdefault("_step_records", {})
     key = (layout.n, layout.num_tokens)
     if key not in records:
-        records[key] = StepRecord(layer, layout.n, layout.num_tokens, x, out_like)
+        warm_step_records(layer)
+        stamps = layer.__dict__.get("_record_stamps")
+        if stamps is None or len(records) >= stamps.numel():
+            return None  # no counter made outside a capture, or all taken: this shape goes unchecked
+        records[key] = StepRecord(layer, layout.n, layout.num_tokens, x, out_like, stamps[len(records)])
     return records[key]
 
 

@@ -27,7 +27,7 @@ import logging
 import numpy as np
 
 from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
-from vllm_hybridspec.engine.gdn.check import check_recorded_steps, log_sampled
+from vllm_hybridspec.engine.gdn.check import check_recorded_steps, log_sampled, warm_step_records
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
 
@@ -111,6 +111,7 @@ def _clean_dummy_run(original):
             for layers in rounds.groups.values():
                 for layer in layers:
                     layer.warm_conv_taps()  # before any capture inside the dummy run (HSpecQwenGDN._conv_taps_fp32)
+                    warm_step_records(layer)  # the self-check's stamp counters, likewise (check.warm_step_records)
         return original(self, *args, **kwargs)
 
     return _dummy_run
