@@ -204,15 +204,15 @@ def summary_table(results: list[dict], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
+TRACEBACK_FRAMES = 12
+
+
 def _failure(name: str, spec, e: BaseException) -> dict:
     """A failed config's result: the error in one line, and where it was raised (the innermost frames,
     file:line function, which an engine running in-process would otherwise lose)."""
     frames = traceback.extract_tb(e.__traceback__)[-TRACEBACK_FRAMES:]
     return {"name": name, "speculative_config": spec, "error": f"{type(e).__name__}: {e}",
             "traceback": [f"{f.filename}:{f.lineno} {f.name}" for f in frames]}
-
-
-TRACEBACK_FRAMES = 12
 
 
 def _run_in_child(conn, name, spec, engine, settings, prompts) -> None:
