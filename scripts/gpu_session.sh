@@ -19,6 +19,8 @@
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
 #                                        # w = 1..16, B = 1, 4 (ours, K = 15, full graphs then piecewise),
 #                                        # plain decoding, vLLM's GDN path (K = 15 and 7, all)
+#   bash scripts/gpu_session.sh sliceprof # the same slice under torch.profiler: ours at w = 1, 2, 8, 16 (full graphs) and
+#                                        # plain decoding, B = ${B:-1}: operator tables, traces, drafter rounds
 #   bash scripts/gpu_session.sh ref32    # reference hybrid, float32, default graphs, one-slot layer: greedy identity
 #                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
 #   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
@@ -41,7 +43,7 @@ run() {  # run NAME CMD...: with the time left, output to $R/NAME.log, the inter
   if [ "$t" -lt 30 ]; then echo "[$name] skipped: ${t}s left"; return; fi
   echo "[$name] start ($t s left)"
   timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "[$name] exit $? after $((SECONDS - T0)) s"
-  grep -E "^(B=|engine started|config|plain|ngram|hspec|wrote|PASS|FAIL)|identical|ms/step|rror|Traceback|  w=|floor" \
+  grep -E "^(B=|engine started|config|plain|ngram|hspec|wrote|PASS|FAIL|\{\"w\")|identical|ms/step|rror|Traceback|  w=|floor" \
     "$R/$name.log" | grep -v "^INFO\|^DEBUG\|hspec-check" | tail -30
 }
 pack() { tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"; }
@@ -142,6 +144,20 @@ slice|full35)
   run vllm7 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 8 \
     --speculative-config "{\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 7, \"hybridspec\": {\"gdn_kernel\": false}}" \
     --out "$R/vllm7.json"
+  ;;
+sliceprof)
+  # where a drafting step's time goes at the 12-layer slice: torch.profiler over a few steps (async
+  # scheduling off) of ours in full graphs at w = 1 (drafting off), 2, 8, 16 and of plain decoding, B=${B:-1}
+  FS=/tmp/full-shape-12
+  [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers 12 --block-size 16 > "$R/shape.log" 2>&1
+  P=(--model $FS/target --load-format dummy --vocab 200000 --prompt-len 128 --max-model-len 2048 --max-num-seqs 4
+     --gpu-mem 0.85 --engine-args "$ENG" --batch "${B:-1}" --warmup 8 --steps 6 --trace)
+  H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,2,8,16 --out "$R/ours" \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16], \"fixed_length\": 16}}"
+  run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
+  for f in "$R"/*/trace.json "$R"/*/*/trace.json; do [ -f "$f" ] && gzip -f "$f"; done
+  for f in "$R"/ours/w*/ops.txt "$R"/plain/ops.txt; do [ -f "$f" ] && { echo "== $f"; sed -n '/Self CUDA/,+30p' "$f" | head -34 | cut -c1-200; }; done
   ;;
 ref32|ref32full|ref32dense)
   # float32 greedy identity of H-Spec with plain decoding on the reference models, 24 x 128. ref32: the

@@ -46,6 +46,28 @@ def test_profile_summarises_each_verification_length(tmp_path):
         assert (tmp_path / f"w{w}" / "ops.txt").read_text().count("\n") > 10
     # drafting off (w = 1) runs neither the drafter nor a wider verification: fewer operators per step
     assert summaries[1]["aten_ops_per_step"] < summaries[4]["aten_ops_per_step"]
+    # one drafting round per profiled step with drafting on, none with it off; no graphs on the CPU
+    assert summaries[4]["drafter_rounds"] == {"replays": 0, "captures": 0, "eager": 3}
+    assert summaries[1]["drafter_rounds"] == {"replays": 0, "captures": 0, "eager": 0}
+
+
+def test_spec_steps_times_each_step_and_counts_the_drafting_rounds(tmp_path):
+    spec = {**SPEC, "hybridspec": {"gdn_kernel": True}}
+    out = tmp_path / "steps.json"
+    proc = run_child(["spec-steps", *ENGINE, "--max-num-seqs", "2", "--prompts", str(MODELS / "prompts" / "heldout.jsonl"),
+                      "--num-prompts", "2", "--speculative-config", json.dumps(spec), "--lengths", "1,4",
+                      "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["w"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [1, 4]
+    for w, r in rows.items():
+        assert r["B"] == 2 and len(r["step_ms"]) == 5 and all(t > 0 for t in r["step_ms"])
+        assert abs(r["ms"] - sum(r["step_ms"]) / 5) < 0.01 and r["max_ms"] == max(r["step_ms"])
+        assert min(r["step_ms"]) <= r["median_ms"] <= r["max_ms"]
+    # every step of w = 4 drafts once (eagerly on the CPU) and yields 1..4 tokens per request
+    assert rows[4]["drafter_rounds"] == {"replays": 0, "captures": 0, "eager": 5}
+    assert 2 <= rows[4]["tokens_per_step"] <= 8
+    assert rows[1]["drafter_rounds"] == {"replays": 0, "captures": 0, "eager": 0} and rows[1]["tokens_per_step"] == 2
 
 
 def test_profile_lengths_need_a_fixed_length_config(tmp_path):

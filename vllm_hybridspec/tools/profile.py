@@ -47,15 +47,19 @@ def summarize(averages, steps: int) -> dict:
             "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
 
 
-def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool) -> dict:
+def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None) -> dict:
     """``warmup`` untimed steps, then ``steps`` profiled ones; writes ``ops.txt``, ``summary.json``
-    (and ``trace.json``) under ``out`` and returns the summary."""
+    (and ``trace.json``) under ``out`` and returns the summary (with ``runner``, the drafter's rounds
+    of the profiled steps: graph replays, captures, eager rounds)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from vllm_hybridspec.tools.spec_steps import drafter_counts
 
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         engine.step()
+    rounds_before = drafter_counts(runner)
     step_ms = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
@@ -73,6 +77,9 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool) -> di
         tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
     (out / "ops.txt").write_text("\n\n".join(tables) + "\n")
     summary = {"step_ms": step_ms, "mean_step_ms": sum(step_ms) / len(step_ms), **summarize(averages, steps)}
+    rounds = {key: n - rounds_before[key] for key, n in drafter_counts(runner).items()}
+    if rounds:
+        summary["drafter_rounds"] = rounds
     if trace:
         prof.export_chrome_trace(str(out / "trace.json"))
     return summary
@@ -85,8 +92,8 @@ def profile_command(
     batch: int = typer.Option(1, min=1, help="requests decoding together"),
     prompt_len: int = typer.Option(96, min=1, help="random prompt length"),
     vocab: int = typer.Option(1000, min=2, help="random prompt token-id range"),
-    lengths: str = typer.Option(None, help="verification lengths w to profile one after another on the same engine "
-                                "(needs \"hybridspec\": {\"fixed_length\": ...} in the speculative config)"),
+    lengths: str = typer.Option(None, help="verification lengths w to profile one after another on the same engine, "
+                                "w = 1: drafting off (needs \"hybridspec\": {\"fixed_length\": ...} in the speculative config)"),
     warmup: int = typer.Option(8, min=1, help="untimed steps before each profile"),
     steps: int = typer.Option(6, min=1, help="profiled steps"),
     trace: bool = typer.Option(False, help="also write a Chrome trace (large)"),
@@ -96,7 +103,7 @@ def profile_command(
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_hybridspec.engine.compat import length_selector
+    from vllm_hybridspec.engine.compat import in_process_runner, length_selector
 
     spec = json_object(speculative_config, "speculative-config") or None
     ws = int_list(lengths, "lengths") if lengths else [None]
@@ -115,14 +122,16 @@ def profile_command(
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, vocab, (prompt_len,),
                                                                                 generator=gen).tolist()}, params)
     for w in ws:
-        if selector is not None:
-            selector.configure(fixed_length=w)
-        summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace)
+        if selector is not None:  # w = 1: drafting off, as the batch gate runs a step (and spec-steps)
+            selector.configure(drafting=False) if w == 1 else selector.configure(fixed_length=w)
+        summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace,
+                                in_process_runner(llm))
         summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s)
         ((out / f"w{w}") if w is not None else out).joinpath("summary.json").write_text(json.dumps(summary, indent=1))
         typer.echo(json.dumps({"w": w, **{k: summary[k] for k in ("mean_step_ms", "gpu_busy_ms_per_step",
                                                                  "kernel_launches_per_step", "aten_ops_per_step",
-                                                                 "engine_start_s")}}))
+                                                                 "engine_start_s")},
+                                **({"drafter_rounds": summary["drafter_rounds"]} if "drafter_rounds" in summary else {})}))
 
 
 profile_command = engine_options(profile_command)

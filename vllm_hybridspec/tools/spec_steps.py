@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -29,10 +30,23 @@ from vllm_hybridspec.tools.engine_args import prompt_options
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the runner is reachable
 
 
+def drafter_counts(runner) -> dict:
+    """The H-Spec proposer's drafting rounds so far: ``replays`` of a captured graph, ``captures`` (a
+    round that ran eagerly and captured its graph) and ``eager`` rounds (no graph for the round);
+    empty for other drafters or none."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "eager_rounds"):
+        return {}
+    graphs = getattr(drafter, "draft_graphs", None)
+    return {"replays": graphs.replays if graphs else 0, "captures": graphs.captures if graphs else 0,
+            "eager": drafter.eager_rounds}
+
+
 def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, tag: str, runner=None) -> dict:
     """``batch`` greedy requests; ``warmup`` steps (prefill included), then the mean wall time of
-    ``steps`` steps, the output tokens they produced and (with ``runner``) the graph modes they were
-    dispatched to; the requests are aborted afterwards."""
+    ``steps`` steps with each step's own time (so a spike, a capture or a compilation, shows as
+    one), the output tokens they produced and (with ``runner``) the graph modes they were dispatched
+    to and the drafter's rounds (:func:`drafter_counts`). The requests are aborted afterwards."""
     from vllm_hybridspec.engine.length.graphs import graph_mode_counts
 
     from vllm import SamplingParams
@@ -61,17 +75,26 @@ def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, ta
     for _ in range(warmup):
         step()
     before = graph_mode_counts(runner) if runner is not None else {}
-    t0, tokens = time.perf_counter(), 0
+    rounds_before = drafter_counts(runner)
+    times, tokens = [], 0
     for _ in range(steps):
+        t0 = time.perf_counter()
         tokens += step()
-    ms = (time.perf_counter() - t0) * 1e3 / steps
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = sum(times) / steps
     after = graph_mode_counts(runner) if runner is not None else {}
     modes = {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
+    rounds = {key: n - rounds_before[key] for key, n in drafter_counts(runner).items()}
+    row = {"B": batch, "ms": round(ms, 4), "median_ms": round(statistics.median(times), 4),
+           "max_ms": round(max(times), 4), "tokens_per_step": round(tokens / steps, 3),
+           "tokens_per_s": round(tokens / (ms * steps / 1e3), 2), "graph_modes": modes,
+           "step_ms": [round(t, 4) for t in times]}
+    if rounds:
+        row["drafter_rounds"] = rounds
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"B": batch, "ms": round(ms, 4), "tokens_per_step": round(tokens / steps, 3),
-            "tokens_per_s": round(tokens / (ms * steps / 1e3), 2), "graph_modes": modes}
+    return row
 
 
 def measure(engine: EngineOptions, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
@@ -109,8 +132,9 @@ def measure(engine: EngineOptions, speculative_config: dict | None, lengths: lis
                     selector.configure(fixed_length=w)
             row = {"w": w, **time_steps(llm, prompts, b, steps, warmup, f"b{b}-w{w}", runner)}
             result["rows"].append(row)
-            progress(f"B={b} w={w}: {row['ms']:.3f} ms/step, {row['tokens_per_step']:.2f} tokens/step, "
-                     f"modes {row['graph_modes']}")
+            extra = f", drafter rounds {row['drafter_rounds']}" if "drafter_rounds" in row else ""
+            progress(f"B={b} w={w}: {row['ms']:.3f} ms/step (median {row['median_ms']:.3f}, max {row['max_ms']:.3f}), "
+                     f"{row['tokens_per_step']:.2f} tokens/step, modes {row['graph_modes']}{extra}")
     if selector is not None:
         selector.configure()
     return result

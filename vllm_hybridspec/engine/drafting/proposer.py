@@ -129,6 +129,7 @@ class HSpecProposer(RunnerDFlashProposer):
         super().__init__(vllm_config, device, runner)
         self.last_draft: DraftBlock | None = None  # [num_reqs, K] tokens, top1_prob, entropy
         self.draft_graphs: DraftGraphs | None = None  # set by load_model on a GPU
+        self.eager_rounds = 0  # rounds drafted without a replayed graph (all of them without graphs)
 
     # --- loading ---------------------------------------------------------------------------------------
 
@@ -195,6 +196,7 @@ class HSpecProposer(RunnerDFlashProposer):
             block = self.draft_graphs.run(last_hidden, next_token_ids[:N], cad.block_table_tensor[:N], prefix_lens,
                                           cad.max_seq_len, num_speculative_tokens)
         if block is None:
+            self.eager_rounds += 1
             prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len, prefix_lens)
             block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         block = self._draft_block(block, next_token_ids[:N], prefix_lens)
