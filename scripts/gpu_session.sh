@@ -17,7 +17,8 @@
 #   bash scripts/gpu_session.sh modes    # reference hybrid + its H-Spec drafter: step time and graph mode per
 #                                        # verification length (w = 1, 2, 4 with the plugin's graphs, 8 = K + 1)
 #   bash scripts/gpu_session.sh slice    # the 35B shape with 12 layers (9 GDN), dummy weights: step times at
-#                                        # w = 1..16, B = 1, 4 (ours, K = 15, full graphs then piecewise),
+#                                        # w = 1..16, B = 1, 4 (ours, K = 15, full graphs, and w = 16 with the
+#                                        # selector off: --untrimmed; then piecewise),
 #                                        # plain decoding, vLLM's GDN path (K = 15 and 7, all)
 #   bash scripts/gpu_session.sh sliceprof # the same slice under torch.profiler: ours at w = 1, 2, 8, 16 (full graphs) and
 #                                        # plain decoding, B = ${B:-1}: operator tables, traces, drafter rounds
@@ -132,7 +133,7 @@ slice|full35)
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$ENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
   # the one-slot layer's spec steps in full graphs first, then plain, vLLM's own path, and the layer piecewise
-  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
+  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
     --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
     --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"

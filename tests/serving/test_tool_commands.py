@@ -56,10 +56,14 @@ def test_spec_steps_times_each_step_and_counts_the_drafting_rounds(tmp_path):
     out = tmp_path / "steps.json"
     proc = run_child(["spec-steps", *ENGINE, "--max-num-seqs", "2", "--prompts", str(MODELS / "prompts" / "heldout.jsonl"),
                       "--num-prompts", "2", "--speculative-config", json.dumps(spec), "--lengths", "1,4",
-                      "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--out", str(out)])
+                      "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--untrimmed", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = {r["w"]: r for r in json.loads(out.read_text())["rows"]}
+    all_rows = json.loads(out.read_text())["rows"]
+    rows = {r["w"]: r for r in all_rows if r.get("trimmed", True)}
     assert sorted(rows) == [1, 4]
+    # --untrimmed: w = K + 1 = 8 with the selector off, drafting every step and verifying every draft
+    (untrimmed,) = [r for r in all_rows if r.get("trimmed") is False]
+    assert untrimmed["w"] == 8 and untrimmed["drafter_rounds"]["eager"] == 5 and 2 <= untrimmed["tokens_per_step"] <= 16
     for w, r in rows.items():
         assert r["B"] == 2 and len(r["step_ms"]) == 5 and all(t > 0 for t in r["step_ms"])
         assert abs(r["ms"] - sum(r["step_ms"]) / 5) < 0.01 and r["max_ms"] == max(r["step_ms"])

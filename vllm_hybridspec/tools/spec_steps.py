@@ -5,7 +5,10 @@ The engine is started in this process with the target, the drafter of ``--specul
 none: plain decoding) and ``"hybridspec": {"fixed_length": K + 1}``; for every batch size ``B`` and
 length ``w`` the proposer's selector verifies exactly ``w`` tokens per request (``w = 1``: drafting
 turned off, what the batch gate runs), ``B`` greedy requests decode, and after the warm-up the wall
-time of ``--steps`` calls of ``LLMEngine.step`` is divided by their number. Under async scheduling
+time of ``--steps`` calls of ``LLMEngine.step`` is divided by their number. With ``--untrimmed``, one
+more row per ``B`` verifies all ``K + 1`` tokens without the selector (``"trimmed": false``): vLLM
+schedules every draft and nothing waits for the selected counts on the host, where the ``w = K + 1``
+row of the selector reads them before each next step. Under async scheduling
 (the default of the engine: on for "hspec", "dflash" and plain decoding) a step's time is the
 pipelined time per step, which is what serving sees. The graph modes come from the runner's count of
 the modes its steps were dispatched to (``engine/length/graphs.py``).
@@ -98,8 +101,9 @@ def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, ta
 
 
 def measure(engine: EngineOptions, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
-            prompts: list[dict], steps: int, warmup: int, progress=print) -> dict:
-    """Every (B, w) on one engine; ``speculative_config`` None: plain decoding (``lengths`` ignored)."""
+            prompts: list[dict], steps: int, warmup: int, progress=print, untrimmed: bool = False) -> dict:
+    """Every (B, w) on one engine; ``speculative_config`` None: plain decoding (``lengths`` ignored).
+    ``untrimmed``: per B also ``w = K + 1`` with the selector off (rows with ``"trimmed": false``)."""
     from vllm import LLM
 
     from vllm_hybridspec.engine.compat import in_process_runner, kv_capacity_tokens
@@ -123,17 +127,24 @@ def measure(engine: EngineOptions, speculative_config: dict | None, lengths: lis
     selector = selector_of(runner) if spec is not None else None
     if spec is not None and selector is None:
         raise RuntimeError("the engine's drafter has no hybridspec length selector")
+    runs = [(None, True)]  # (w, trimmed); plain decoding: one row per B
+    if spec is not None:
+        runs = [(w, True) for w in lengths] + ([(k + 1, False)] if untrimmed else [])
     for b in batch_sizes:
-        for w in (lengths if spec is not None else [None]):
+        for w, trimmed in runs:
             if selector is not None:
                 if w == 1:
                     selector.configure(drafting=False)
+                elif not trimmed:
+                    selector.configure(trim=False)
                 else:
                     selector.configure(fixed_length=w)
-            row = {"w": w, **time_steps(llm, prompts, b, steps, warmup, f"b{b}-w{w}", runner)}
+            tag = f"b{b}-w{w}" if trimmed else f"b{b}-all"
+            row = {"w": w, **({} if trimmed else {"trimmed": False}),
+                   **time_steps(llm, prompts, b, steps, warmup, tag, runner)}
             result["rows"].append(row)
             extra = f", drafter rounds {row['drafter_rounds']}" if "drafter_rounds" in row else ""
-            progress(f"B={b} w={w}: {row['ms']:.3f} ms/step (median {row['median_ms']:.3f}, max {row['max_ms']:.3f}), "
+            progress(f"B={b} w={w}{'' if trimmed else ' (untrimmed)'}: {row['ms']:.3f} ms/step (median {row['median_ms']:.3f}, max {row['max_ms']:.3f}), "
                      f"{row['tokens_per_step']:.2f} tokens/step, modes {row['graph_modes']}{extra}")
     if selector is not None:
         selector.configure()
@@ -149,13 +160,16 @@ def spec_steps(
     batch_sizes: str = typer.Option("1,4", help="requests decoding together"),
     steps: int = typer.Option(48, min=4, help="timed steps per (B, w)"),
     warmup: int = typer.Option(8, min=2, help="untimed steps first (prefill, compilation)"),
+    untrimmed: bool = typer.Option(False, help="also w = K + 1 with the length selector off (every draft scheduled "
+                                   "by vLLM, no host read of the lengths), per batch size"),
     out: Path = typer.Option(..., help="result JSON"),
 ) -> None:
     """Per-step decode time and CUDA-graph mode at each verification length and batch size, one engine."""
     spec = json_object(speculative_config, "speculative-config") if speculative_config else None
     out.parent.mkdir(parents=True, exist_ok=True)
     result = measure(engine, spec, int_list(lengths, "lengths"), int_list(batch_sizes, "batch-sizes"),
-                     prompts.load(engine.model), steps, warmup, progress=lambda line: typer.echo(line))
+                     prompts.load(engine.model), steps, warmup, progress=lambda line: typer.echo(line),
+                     untrimmed=untrimmed)
     out.write_text(json.dumps(result, indent=1))
     typer.echo(f"wrote {out}")
 

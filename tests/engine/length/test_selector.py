@@ -129,6 +129,14 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     assert selector.speculate(4)
     selector.configure()
     assert selector.select(drafts, conf, ent, w_rem).tolist() == [K] * n and selector.speculate(4)
+    # trim=False: every draft verified without the selector (inactive: the runner patches pass through)
+    selector.configure(trim=False)
+    assert not selector.active and not selector.trims and selector.speculate(4)
+    with pytest.raises(ValueError, match="trim=False verifies every draft without the selector"):
+        selector.configure(fixed_length=3, trim=False)
+    assert not selector.active
+    selector.configure()
+    assert selector.active and selector.trims
     with pytest.raises(ValueError, match=r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"):
         selector.configure(fixed_length=K + 2)
     with pytest.raises(ValueError, match="does not exist"):

@@ -62,21 +62,29 @@ class LengthSelector:
         self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
 
     def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
-                  gate: bool | None = None, batched: bool | None = None, drafting: bool = True) -> None:
+                  gate: bool | None = None, batched: bool | None = None, drafting: bool = True,
+                  trim: bool = True) -> None:
         """Switch a running engine's selector between measurements (``calibrate costs``,
         ``evaluate.py``): verify exactly ``fixed_length`` tokens per request; or select lengths with
         the policy file ``policy`` (with its batch gate unless ``gate`` is false, and its shared-length
         variant when ``batched``; ``None`` takes the engine's ``"hybridspec"`` setting); or, with
         ``drafting=False``, run every step without drafts (what the batch gate does for a step, i.e.
-        vLLM's plain decode path). Raises ``ValueError`` naming a bad value, as the ``"hybridspec"``
-        options do at engine start, and then leaves the selector as it was."""
+        vLLM's plain decode path). No length verifies everything, through the selector (each row cut
+        to its remaining budget, the counts read on the host before the next step); ``trim=False``
+        verifies everything without the selector (vLLM's own scheduling of every draft: no counts,
+        nothing read on the host, the engine as without ``"hybridspec"`` options). Raises
+        ``ValueError`` naming a bad value, as the ``"hybridspec"`` options do at engine start, and
+        then leaves the selector as it was."""
         if fixed_length is not None and policy is not None:
             raise ValueError("configure: give fixed_length or policy, not both")
+        if not trim and (fixed_length is not None or policy is not None):
+            raise ValueError("configure: trim=False verifies every draft without the selector; give no "
+                             "fixed_length or policy with it")
         start = self.engine_options
         raw = {**start.model_dump(), "fixed_length": fixed_length, "policy": policy, "select": policy is not None,
                "gate": start.gate if gate is None else gate,
                "batched": policy is not None and (start.batched if batched is None else batched)}
-        if fixed_length is None and policy is None:
+        if fixed_length is None and policy is None and trim:
             raw["fixed_length"] = self.k + 1  # verify everything
         options = HybridSpecOptions.model_validate(raw)
         options.check(self.k)
