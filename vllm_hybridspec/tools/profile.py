@@ -122,8 +122,10 @@ def profile_command(
         llm.llm_engine.add_request(f"p{i}", {"prompt_token_ids": torch.randint(0, vocab, (prompt_len,),
                                                                                 generator=gen).tolist()}, params)
     for w in ws:
-        if selector is not None:  # w = 1: drafting off, as the batch gate runs a step (and spec-steps)
-            selector.configure(drafting=False) if w == 1 else selector.configure(fixed_length=w)
+        if selector is not None and w == 1:  # drafting off, as the batch gate runs a step (and spec-steps)
+            selector.configure(drafting=False)
+        elif selector is not None:
+            selector.configure(fixed_length=w)
         summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace,
                                 in_process_runner(llm))
         summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s)

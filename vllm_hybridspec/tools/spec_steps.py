@@ -190,7 +190,7 @@ def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str,
     rows = []
     for r in ours["rows"]:
         v = vllm_ms.get((r["B"], r["w"]))
-        rows.append({"B": r["B"], "w": r["w"], "ours_ms": r["ms"], "ours_mode": _mode(r),
+        rows.append({"B": r["B"], "w": r["w"], "trimmed": r.get("trimmed", True), "ours_ms": r["ms"], "ours_mode": _mode(r),
                      "vllm_ms": None if v is None else v[0], "vllm_mode": None if v is None else v[1]})
     return {"shape": shape, "command": command, "plain_ms": plain_ms, "rows": rows}
 

@@ -1,0 +1,26 @@
+"""``hybridspec spec-steps-table``: one row per (B, w) of our engine, the untrimmed K + 1 row apart
+from the selector's, each with vLLM's verify-all step at the same length where it was measured."""
+
+from __future__ import annotations
+
+from vllm_hybridspec.tools.spec_steps import spec_steps_table
+
+
+def row(b, w, ms, mode="FULL", **extra):
+    return {"B": b, "w": w, "ms": ms, "graph_modes": {f"w={w} B={b} {mode}": 48}, **extra}
+
+
+def test_the_table_keeps_the_untrimmed_row_apart_and_matches_vllm_by_length():
+    ours = {"rows": [row(1, 1, 3.6), row(1, 8, 12.3), row(1, 16, 12.5), row(1, 16, 4.9, trimmed=False),
+                     row(4, 16, 12.6, mode="PIECEWISE")]}
+    plain = {"rows": [{"B": 1, "ms": 3.3}, {"B": 4, "ms": 3.6}]}
+    vllm15 = {"speculative_config": {"num_speculative_tokens": 15}, "rows": [row(1, 16, 7.0, mode="PIECEWISE")]}
+    table = spec_steps_table(ours, plain, [vllm15], "slice", "cmd")
+    assert table["plain_ms"] == {"1": 3.3, "4": 3.6}
+    by = {(r["B"], r["w"], r["trimmed"]): r for r in table["rows"]}
+    assert set(by) == {(1, 1, True), (1, 8, True), (1, 16, True), (1, 16, False), (4, 16, True)}
+    assert by[(1, 16, False)]["ours_ms"] == 4.9 and by[(1, 16, True)]["ours_ms"] == 12.5
+    # vLLM's K = 15 engine verifies 16 tokens: it sits next to both w = 16 rows of B = 1, and nowhere else
+    assert by[(1, 16, False)]["vllm_ms"] == by[(1, 16, True)]["vllm_ms"] == 7.0
+    assert by[(1, 16, True)]["vllm_mode"] == "PIECEWISE" and by[(1, 8, True)]["vllm_ms"] is None
+    assert by[(4, 16, True)]["vllm_ms"] is None and by[(4, 16, True)]["ours_mode"] == "PIECEWISE"
