@@ -45,7 +45,7 @@ decode rows take more of the token budget), and a chunk boundary alone moves a r
 log-probabilities by more than the spec path does: 6.4e-3 nats for plain decoding against itself
 (8-token chunks against one; the 8-layer, 12-token-vocabulary target of tie_noise seed 672035940,
 draw 4, whose speculative run gave 4.6e-3 at 64 batched tokens and 5.2e-4 at 128). Transformers in
-float64 puts that position's runner-up 1.5e-3 to 3.4e-3 nats from each of the float32 runs, plain
+float64 puts that position's runner-up 1.3e-3 to 3.4e-3 nats from each of the five float32 runs measured, plain
 ones included: the random target's conditioning, no error of any run, and none of speculation. So the
 8-layer H-Spec engine test batches enough tokens that no prompt is split
 (``test_gdn_layer_engine.HSPEC_BATCHED_TOKENS``).
