@@ -33,6 +33,7 @@ from vllm_hybridspec.engine.drafting.kv_cache import (
     kv_heads_recoverable,
     paged_kv_views,
 )
+from vllm_hybridspec.kernels.markov import markov_heads
 
 
 def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
@@ -51,6 +52,7 @@ def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
 
 class HSpecForVLLM(nn.Module):
     tp_size = 1  # the engine's tensor parallel size (set in __init__)
+    fused_heads: bool | None = None  # the Markov-head kernel (draft_heads); None: on CUDA devices
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -314,20 +316,26 @@ class HSpecForVLLM(nn.Module):
         """``HSpecDraftModel.draft_heads`` with the target's LM head: greedy tokens, top-1 probability
         and entropy per draft position, fp32, all on device.
 
-        The same arithmetic as the reference, in fewer kernels per position: the Markov bias is added
-        to the fp32 logits with type promotion (the bias is converted exactly inside the add instead
-        of by a separate ``.float()``), ``max`` gives the greedy token (the first maximal index, as
-        ``argmax``) and its log-probability in one kernel, and the elementwise tails (the top-1
-        ``exp``, the entropy's negation) run once on the stacked ``[N, K]`` values. The reductions
-        (log-softmax, max, the entropy sum) keep their per-position shapes."""
+        On CUDA (or with ``fused_heads`` set) the Markov head runs as one kernel per position over the
+        LM head's logits in their own dtype (``kernels.markov.markov_heads``: the bias accumulated in
+        fp32, the softmax statistics in one pass). Elsewhere the positions run as torch ops, the same
+        arithmetic as the reference in fewer kernels: the Markov bias is added to the fp32 logits with
+        type promotion, ``max`` gives the greedy token (the first maximal index, as ``argmax``) and its
+        log-probability in one kernel, and the elementwise tails run once on the stacked ``[N, K]``
+        values."""
         N, L, d = hidden.shape
-        logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).float().view(N, L - 1, -1)
+        logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).view(N, L - 1, -1)
+        mh = self.markov_head
+        if self.fused_heads if self.fused_heads is not None else hidden.is_cuda:
+            heads = markov_heads(logits, anchor_ids, *((mh.markov_w1.weight, mh.markov_w2.weight) if mh else ()))
+            return DraftBlock(heads.tokens, heads.top1_prob, heads.entropy)
+        logits = logits.float()
         prev = anchor_ids
         tokens, top1_logp, plogp = [], [], []
         for k in range(L - 1):
             step = logits[:, k]
-            if self.markov_head is not None:
-                step = step + self.markov_head.markov_w2(self.markov_head.prev_embeddings(prev))
+            if mh is not None:
+                step = step + mh.markov_w2(mh.prev_embeddings(prev))
             logp = torch.log_softmax(step, dim=-1)
             best_logp, best = logp.max(dim=-1)
             top1_logp.append(best_logp)
