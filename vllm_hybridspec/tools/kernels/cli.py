@@ -6,10 +6,11 @@
     hybridspec kernels fused --tune --lengths 2,8,16 --json tune.json        # the fused round's launch sweep
     hybridspec kernels tune --out tune.jsonl                                 # launch sweep of each part
     hybridspec kernels profile --batch 1 --length 16                         # one round per kernel, for ncu
+    hybridspec kernels draft-round --batches 1,4,16,64 --json draft_round.json  # the H-Spec drafting round
 
 Without the package installed (a bare GPU machine, ``examples/device_setup.sh``): ``python3 -m
 vllm_hybridspec.cli kernels ...``. What each measures: the docstrings of :mod:`.gdn_compare`,
-:mod:`.fused_round`, :mod:`.tune` and :mod:`.profile`.
+:mod:`.fused_round`, :mod:`.tune`, :mod:`.profile` and :mod:`.draft_round`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import typer
 
 from vllm_hybridspec.tools.engine_args import int_list
 
-kernels_app = typer.Typer(help="GDN-kernel benchmarks: ours vs vLLM and fla, the fused lazy commit, launch "
-                               "sweeps, profiling (timings need CUDA; the accuracy checks run anywhere).",
+kernels_app = typer.Typer(help="Kernel benchmarks: the GDN kernels against vLLM and fla, the fused lazy commit, "
+                               "launch sweeps, profiling, the H-Spec drafting round (timings need CUDA; the GDN "
+                               "accuracy checks run anywhere).",
                           no_args_is_help=True)
 
 SHAPE = typer.Option("35b", help="35b (Qwen3.6-35B-A3B: 30 layers, 16 key / 32 value heads, 128 x 128 "
@@ -215,3 +217,33 @@ def profile(
     if not kernels:
         typer.echo(f"{rounds} rounds run; no compiled kernel metadata (Triton's interpreter, or none "
                    "reported)")
+
+
+@kernels_app.command("draft-round")
+def draft_round(
+    batches: str = typer.Option("1,4,16,64", help="requests per round B, comma-separated"),
+    capacity: int = typer.Option(512, min=1, help="prefix K/V slots per request"),
+    samples: int = typer.Option(20, min=3, help="timed samples per part"),
+    replays: int = typer.Option(5, min=1, help="graph replays per sample"),
+    tune: bool = typer.Option(False, "--tune", help="time the fused heads at every launch candidate first and use "
+                                          "the fastest per B"),
+    json_out: Path | None = typer.Option(None, "--json", help="where to write the rows, the sweep and the meta"),
+) -> None:
+    """One H-Spec drafting round at the Qwen3.6-35B-A3B shape (vLLM-free, random bf16 weights): the
+    drafter's layers, the LM head, the Markov heads as torch ops and as the fused kernel, the whole
+    round, each one CUDA graph, against the weight-read floor (CUDA only)."""
+    _needs_cuda("kernels draft-round")
+    from . import draft_round as dr
+
+    bs = int_list(batches, "batches")
+    result = dr.run(bs, capacity, samples, replays, tune)
+    result["meta"]["command"] = (f"hybridspec kernels draft-round --batches {batches} --capacity {capacity} "
+                                 f"--samples {samples} --replays {replays}" + (" --tune" if tune else "")
+                                 + (f" --json {json_out}" if json_out else ""))
+    _write_json(json_out, result)
+    if result["failed"]:
+        typer.echo("heads check FAILED: " + "; ".join(result["failed"][:5]), err=True)
+        raise typer.Exit(1)
+    typer.echo(f"ms per round, {result['meta']['device']}, read bandwidth "
+               f"{result['meta']['read_bandwidth_TBps']:.2f} TB/s, capacity {capacity}")
+    typer.echo(dr.format_table(result["rows"]))

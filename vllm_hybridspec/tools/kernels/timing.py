@@ -8,6 +8,8 @@
 * :func:`graph_ms` is both: the time of one replay of the captured callable;
 * :func:`copy_bandwidth`: the device-to-device copy bandwidth of a 1 GiB copy (bytes read plus
   bytes written), the denominator of every bandwidth floor;
+* :func:`read_bandwidth`: the bandwidth of reading a 1 GiB buffer once (a kernel that sums it), the
+  denominator of a floor made of weight reads;
 * :func:`launch_floor_ms`: ``launches`` dependent launches of a kernel that stores one float, in one
   CUDA graph: what a design with a kernel per layer pays however little each kernel does.
 
@@ -78,6 +80,25 @@ def copy_bandwidth(samples: int, replays: int = 5) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     return 2 * src.numel() / (graph_ms(lambda: dst.copy_(src), samples, replays).ms * 1e-3)
+
+
+@triton.jit
+def _sum_blocks(src, out, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK * TILES
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(TILES):
+        acc += tl.load(src + base + j * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out + tl.program_id(0), tl.sum(acc))
+
+
+def read_bandwidth(samples: int, replays: int = 5) -> float:
+    """Bytes/s of reading a 1 GiB bf16 buffer once (each program sums 64 KiB)."""
+    BLOCK, TILES = 2048, 16
+    src = torch.randn(1 << 29, dtype=torch.bfloat16, device="cuda")
+    programs = src.numel() // (BLOCK * TILES)
+    out = torch.empty(programs, dtype=torch.float32, device="cuda")
+    ms = graph_ms(lambda: _sum_blocks[(programs,)](src, out, BLOCK=BLOCK, TILES=TILES), samples, replays).ms
+    return src.numel() * src.element_size() / (ms * 1e-3)
 
 
 @triton.jit

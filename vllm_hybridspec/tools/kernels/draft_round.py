@@ -1,0 +1,259 @@
+"""One H-Spec drafting round at the Qwen3.6-35B-A3B shape, without vLLM: its parts and the whole,
+each as one CUDA graph, against the round's weight-read floor.
+
+The drafter is ``HSpecDraftModel`` with ``hybridspec full-shape``'s configuration (4 layers, blocks of
+16: K = 15 drafts, the target's 248,320-token LM head and a rank-256 Markov head), random bf16
+weights; the prefix K/V are random tensors of ``--capacity`` slots per request (the engine gathers
+them from the target's paged cache, a read of the same size). For each batch size B:
+
+* ``layers``: the initial state and the block through the drafter's layers (``block_forward``);
+* ``lm_head``: the final norm and the LM head over the K draft positions (bf16 logits);
+* ``heads_torch``: the Markov head as torch ops per position over float32 logits (what
+  ``HSpecForVLLM.draft_heads`` runs on the CPU, and ran on CUDA before the kernel);
+* ``heads_fused``: ``kernels.markov.markov_heads`` over the bf16 logits;
+* ``round_torch`` / ``round_fused``: the three together, as the engine's round graph replays them;
+* ``floor``: the bytes a round must read (the drafter's own weights, the LM head once, the Markov
+  ``W2`` once per position, the prefix K/V) over the read bandwidth measured in the same run
+  (:func:`.timing.read_bandwidth`).
+
+Before timing, at B = 4 the fused heads are checked against the float64 reference on the round's own
+logits (same tokens up to near-ties; signals within 2e-6 / 2e-5), and the torch heads likewise; a
+failure stops the run. ``--tune`` also times the fused heads at every launch candidate and uses the
+fastest per B for the round.
+
+    hybridspec kernels draft-round --batches 1,4,16,64 --json draft_round.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference, top2_margins
+
+from .timing import graph_ms, log, read_bandwidth
+
+TIE_GAP, TOP1_ATOL, ENTROPY_ATOL = 1e-4, 2e-6, 2e-5
+TUNE_GRID = dict(BV=(32, 64, 128), programs_per_sm=(1, 2, 4), num_warps=(4, 8))
+
+
+def build_drafter(device: torch.device, layers: int = 4, block_size: int = 16, markov_rank: int = 256,
+                  target_overrides: dict | None = None):
+    """``HSpecDraftModel`` at the 35B shape with random bf16 weights: std 0.02 (logits of std ~0.9),
+    norms at one, the Markov embedding at std 1 (a bias of std ~0.3), the Mamba parameters from their
+    own initialisation. ``target_overrides`` changes the target's shape (the tests' tiny one)."""
+    from transformers import Qwen3NextConfig
+
+    from vllm_hybridspec.drafter import HSpecDraftModel, HSpecSpeculatorConfig, default_layer_selection
+    from vllm_hybridspec.drafter.mamba2 import Mamba2Mixer
+    from vllm_hybridspec.tools.full_shape import MASK_TOKEN_ID, QWEN36_35B_A3B
+
+    target = Qwen3NextConfig(**{**QWEN36_35B_A3B, **(target_overrides or {})})
+    selected, kv = default_layer_selection(target)
+    config = HSpecSpeculatorConfig.from_target(target, None, selected, kv, num_layers=layers, block_size=block_size,
+                                               markov_rank=markov_rank,
+                                               mask_token_id=min(MASK_TOKEN_ID, target.vocab_size - 1))
+    with torch.device(device):
+        model = HSpecDraftModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 if name.endswith("markov_w1.weight") else 0.02)
+        for module in model.modules():
+            if isinstance(module, Mamba2Mixer):
+                for name, value in module.ssm_parameter_init().items():
+                    getattr(module, name).copy_(value)
+    return model.to(torch.bfloat16).eval()
+
+
+def heads_torch(logits: torch.Tensor, anchors: torch.Tensor, markov) -> tuple:
+    """The engine's torch heads (``HSpecForVLLM.draft_heads`` without the kernel)."""
+    logits = logits.float()
+    prev, tokens, top1_logp, plogp = anchors, [], [], []
+    for k in range(logits.shape[1]):
+        step = logits[:, k]
+        if markov is not None:
+            step = step + markov.markov_w2(markov.prev_embeddings(prev))
+        logp = torch.log_softmax(step, dim=-1)
+        best_logp, best = logp.max(dim=-1)
+        top1_logp.append(best_logp)
+        plogp.append((logp.exp() * logp).sum(-1))
+        prev = best
+        tokens.append(best)
+    return torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1)
+
+
+class Round:
+    """Static inputs and the parts of one round of B requests."""
+
+    def __init__(self, model, B: int, capacity: int, device, seed: int):
+        cfg = model.config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        g = cfg.attention_geometry
+        hidden = cfg.transformer_layer_config.hidden_size
+        L = cfg.block_size
+        self.model, self.B, self.L = model, B, L
+        n_sel = len(cfg.aux_hidden_state_layer_ids)
+        self.last_hidden = torch.randn(B, n_sel * hidden, generator=gen, device=device).to(torch.bfloat16)
+        self.anchors = torch.randint(0, cfg.transformer_layer_config.vocab_size, (B,), generator=gen, device=device)
+        self.prefix_lens = torch.full((B,), capacity, dtype=torch.long, device=device)
+        self.prefix_kv = [tuple(torch.randn(B, g.num_key_value_heads, capacity, g.head_dim, generator=gen,
+                                            device=device).to(torch.bfloat16) for _ in range(2))
+                          for _ in cfg.kv_reuse_layer_ids]
+        from vllm_hybridspec.drafter.attention import request_block_mask
+
+        self.positions = self.prefix_lens[:, None] + torch.arange(L, device=device)
+        self.block_ids = torch.full((B, L), cfg.mask_token_id, dtype=torch.long, device=device)
+        self.block_ids[:, 0] = self.anchors
+        self.mask = request_block_mask(self.prefix_lens, capacity, L, cfg.sliding_window)
+        self.hidden = self.logits = None
+        self.launch: dict = {}
+
+    def layers(self):
+        m = self.model
+        self.hidden = m.block_forward(self.block_ids, self.positions, m.initial_state(self.last_hidden),
+                                      self.prefix_kv, self.mask)
+
+    def lm_head(self):
+        self.logits = self.model.lm_head(self.model.norm(self.hidden[:, 1:]))  # [B, K, V] bf16
+
+    def heads_torch(self):
+        return heads_torch(self.logits, self.anchors, self.model.markov_head)
+
+    def heads_fused(self, **launch):
+        mh = self.model.markov_head
+        return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
+                            **(launch or self.launch))
+
+    def round_torch(self):
+        self.layers()
+        self.lm_head()
+        return self.heads_torch()
+
+    def round_fused(self):
+        self.layers()
+        self.lm_head()
+        return self.heads_fused()
+
+
+def round_bytes(model, B: int, capacity: int) -> dict[str, int]:
+    """The bytes a round reads at least: weights once (``W2`` once per draft position) and the
+    prefix K/V."""
+    mh = model.markov_head
+    K = model.config.block_size - 1
+    skip = {id(model.embed_tokens.weight), id(model.lm_head.weight), id(model.verifier_lm_head.weight),
+            id(model.verifier_norm.weight)}
+    if mh is not None:
+        skip |= {id(p) for p in mh.parameters()}
+    own = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    g = model.config.attention_geometry
+    w = model.lm_head.weight  # the K/V are in the model's dtype
+    kv = 2 * B * capacity * g.num_key_value_heads * g.head_dim * w.element_size() * len(model.config.kv_reuse_layer_ids)
+    return {"drafter_layers": own, "lm_head": w.numel() * w.element_size(),
+            "markov_w2": K * mh.markov_w2.weight.numel() * mh.markov_w2.weight.element_size() if mh else 0,
+            "prefix_kv": kv}
+
+
+def check(r: Round) -> list[str]:
+    """The torch and fused heads on the round's own logits against the float64 reference."""
+    mh = r.model.markov_head
+    r.layers()
+    r.lm_head()
+    weights = (mh.markov_w1.weight, mh.markov_w2.weight)
+    ref = markov_heads_reference(r.logits, r.anchors, *weights)
+    margins = top2_margins(r.logits, ref.tokens, r.anchors, *weights)
+    problems = []
+    if int((margins >= TIE_GAP).sum()) < margins.numel() // 2:
+        problems.append(f"only {int((margins >= TIE_GAP).sum())} of {margins.numel()} positions have a top-2 gap "
+                        f"above {TIE_GAP}: the check would compare too little")
+    for name, (tokens, top1, ent) in (("torch", r.heads_torch()), ("fused", tuple(r.heads_fused()))):
+        for n, k in itertools.product(range(r.B), range(r.L - 1)):
+            if margins[n, k] < TIE_GAP:
+                break
+            if tokens[n, k] != ref.tokens[n, k]:
+                problems.append(f"{name}: row {n} position {k} token {int(tokens[n, k])} != {int(ref.tokens[n, k])}")
+                break
+            dp, dh = abs(float(top1[n, k] - ref.top1_prob[n, k])), abs(float(ent[n, k] - ref.entropy[n, k]))
+            if dp > TOP1_ATOL or dh > ENTROPY_ATOL:
+                problems.append(f"{name}: row {n} position {k} top-1 off by {dp:.1e}, entropy by {dh:.1e}")
+    return problems
+
+
+def tune_heads(r: Round, samples: int, replays: int) -> tuple[dict, list[dict]]:
+    sms = torch.cuda.get_device_properties(r.last_hidden.device).multi_processor_count
+    rows = []
+    for BV, pps, warps in itertools.product(*TUNE_GRID.values()):
+        launch = dict(BV=BV, programs=pps * sms, num_warps=warps)
+        t = graph_ms(lambda launch=launch: r.heads_fused(**launch), samples, replays)
+        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, ms=t.ms, iqr=t.iqr))
+        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps}: {t.ms:.4f} ms")
+    best = min(rows, key=lambda row: row["ms"])
+    return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"]), rows
+
+
+def kernel_table(fn, top: int = 25) -> list[dict]:
+    """The kernels of one eager call of ``fn`` under torch.profiler: name, launches, total device us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:100], "calls": e.count, "us": getattr(e, "device_time_total", 0)}
+            for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
+def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0) -> dict:
+    t0 = time.time()
+    device = torch.device("cuda")
+    model = build_drafter(device)
+    problems = check(Round(model, 4, capacity, device, seed))
+    meta = {"device": torch.cuda.get_device_name(), "capacity": capacity, "samples": samples, "replays": replays,
+            "K": model.config.block_size - 1, "vocab": model.config.transformer_layer_config.vocab_size,
+            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers}
+    if problems:
+        return {"meta": meta, "failed": problems, "rows": [], "tune": []}
+    bw = read_bandwidth(samples)
+    meta["read_bandwidth_TBps"] = bw / 1e12
+    log(f"{meta['device']}: read bandwidth {bw / 1e12:.2f} TB/s; heads checked against float64")
+    rows, tune_rows = [], []
+    with torch.inference_mode():
+        for B in batches:
+            r = Round(model, B, capacity, device, seed + B)
+            r.layers()
+            r.lm_head()
+            if tune:
+                r.launch, part = tune_heads(r, samples, replays)
+                tune_rows += part
+            row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
+            for part in ("layers", "lm_head", "heads_torch", "heads_fused", "round_torch", "round_fused"):
+                row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
+            nbytes = round_bytes(model, B, capacity)
+            row["bytes"] = nbytes
+            row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
+            row["round_over_floor"] = row["round_fused_ms"] / row["floor_ms"]
+            log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
+                + f" ms; fused round / floor {row['round_over_floor']:.2f}")
+            if B in (1, 4):
+                row["kernels"] = kernel_table(r.round_fused)
+                for k in row["kernels"][:12]:
+                    log(f"    {k['us']:9.1f} us  {k['calls']:4d}x  {k['kernel']}")
+            rows.append(row)
+    meta["seconds"] = time.time() - t0
+    return {"meta": meta, "failed": [], "rows": rows, "tune": tune_rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = "| B | layers | LM head | heads (torch) | heads (fused) | round (torch) | round (fused) | floor | fused / floor |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
+                     f"{r['heads_fused_ms']:.3f} | {r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | "
+                     f"{r['floor_ms']:.3f} | {r['round_over_floor']:.2f} |")
+    return "\n".join(lines)
