@@ -186,17 +186,15 @@ def test_the_dflash_branch_passes_the_step_k_and_the_anchor():
 
 
 class _Selector:
+    """A selector whose last drafts were a gated step's."""
+
     active = True
 
-    def __init__(self, drafts, counts):
-        self.drafts, self.counts = drafts, torch.tensor(counts, dtype=torch.int32)
+    def __init__(self, drafts):
+        self.drafts = drafts
 
-    def counts_for(self, drafts):
-        return None if drafts is not self.drafts else (type("E", (), {"synchronize": lambda s: None})(), self.counts)
-
-    def host_counts(self, drafts, n):
-        found = self.counts_for(drafts)
-        return None if found is None else found[1][:n].tolist()
+    def gated_step(self, drafts):
+        return drafts is self.drafts
 
 
 class _FakeRunner:
@@ -216,30 +214,29 @@ class _FakeRunner:
 _fake_runner = _FakeRunner
 
 
-def test_sync_trimming_cuts_each_draft_list_to_its_count():
+def test_sync_trimming_empties_a_gated_steps_draft_lists():
     from vllm_hybridspec.engine.length.trimming import _trimmed_draft_lists
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     n, k = 6, 5
     drafts = torch.randint(0, 100, (n, k), generator=gen)
-    counts = torch.randint(0, k + 1, (n,), generator=gen).tolist()
     req_ids = [f"r{i}" for i in range(n)]
     wrapped = _trimmed_draft_lists(lambda self: (drafts.tolist(), req_ids))
-    got, ids = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=False))
-    assert ids == req_ids and got == [row[:c] for row, c in zip(drafts.tolist(), counts)]
-    # a tensor the selector did not produce (vLLM's zeros when the drafter was skipped) is left alone
+    got, ids = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=False))
+    assert ids == req_ids and got == [[] for _ in range(n)]
+    # drafts of a step that was not gated (the selected lengths are cut on the device) are left alone
     other = torch.zeros_like(drafts)
-    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), other, async_scheduling=False))
-    assert got == drafts.tolist()
+    got, _ = wrapped(_fake_runner(_Selector(drafts), other, async_scheduling=False))
+    assert got == drafts.tolist()  # the lists vLLM made, untouched
     # async scheduling: the lists feed already-scheduled drafts, never cut here
-    got, _ = wrapped(_fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True))
+    got, _ = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=True))
     assert got == drafts.tolist()
 
 
-def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_len():
-    """What the runner's own ngram_gpu path does, for any drafter: scheduled tokens lowered by the
-    cut drafts, a request cut to 0 loses its entry, and prev_num_draft_len (set by _update_states
-    from the cut lists) is put back to the scheduler's untrimmed count."""
+def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_draft_len():
+    """What the runner's own ngram_gpu path does, with every count 0: scheduled tokens lowered by the
+    cut drafts, every request loses its entry, and prev_num_draft_len (set by _update_states from the
+    cut lists) is put back to the scheduler's untrimmed count."""
     from types import SimpleNamespace
 
     from vllm_hybridspec.engine.length.trimming import _trimmed_update_states
@@ -247,14 +244,13 @@ def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_le
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     k, req_ids = 7, ["a", "b", "c", "d"]
     drafts = torch.randint(0, 100, (4, k), generator=gen)
-    counts = [0, 3, 7, 2]
-    scheduled = {"a": [-1] * k, "b": [-1] * k, "c": [-1] * k, "d": [-1] * k}
-    out = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids),
-                          scheduled_spec_decode_tokens=dict(scheduled),
-                          num_scheduled_tokens={r: 1 + k for r in req_ids}, total_num_scheduled_tokens=4 * (1 + k))
-    runner = _fake_runner(_Selector(drafts, counts), drafts, async_scheduling=True)
-    runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
-    runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
+
+    def scheduler_output():
+        return SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids),
+                               scheduled_spec_decode_tokens={r: [-1] * k for r in req_ids},
+                               num_scheduled_tokens={r: 1 + k for r in req_ids},
+                               total_num_scheduled_tokens=4 * (1 + k))
+
     seen = {}
 
     def original(self, scheduler_output):
@@ -263,11 +259,62 @@ def test_async_trimming_cuts_the_scheduler_output_and_restores_prev_num_draft_le
             self.requests[r].prev_num_draft_len = len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
         return "done"
 
+    runner = _fake_runner(_Selector(drafts), drafts, async_scheduling=True)
+    runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+    runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
+    out = scheduler_output()
     assert _trimmed_update_states(original)(runner, out) == "done"
-    assert seen["spec"] == {"b": 3, "c": 7, "d": 2}
-    assert out.num_scheduled_tokens == {"a": 1, "b": 4, "c": 8, "d": 3}
-    assert out.total_num_scheduled_tokens == 1 + 4 + 8 + 3
+    assert seen["spec"] == {}
+    assert out.num_scheduled_tokens == {r: 1 for r in req_ids} and out.total_num_scheduled_tokens == 4
     assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
+    # a step that drafted: nothing cut on the host
+    runner._draft_token_ids = drafts.clone()
+    out = scheduler_output()
+    assert _trimmed_update_states(original)(runner, out) == "done"
+    assert seen["spec"] == {r: k for r in req_ids} and out.total_num_scheduled_tokens == 4 * (1 + k)
+
+
+def test_symbols_the_device_cut_relies_on_keep_their_shape():
+    """``engine/length/cut.py``: the rejection sampler samples the bonus tokens once per step from
+    ``logits[metadata.bonus_logits_indices]`` with ``predict_bonus_token=True`` and hands the sampled ids
+    last to ``_get_logprobs_tensors``; the runner's ``_sample`` calls it with the metadata it is given;
+    the MoE runner routes inside ``_apply_quant_method(hidden_states, router_logits, ...)``; the runner
+    buffers and forward-context functions the plan reads exist."""
+    import dataclasses
+    import inspect
+    import re
+
+    from vllm import forward_context
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    forward = re.sub(r"\s+", "", inspect.getsource(RejectionSampler.forward))
+    assert "bonus_logits_indices=metadata.bonus_logits_indices" in forward
+    assert "bonus_logits=logits[bonus_logits_indices]" in forward
+    assert forward.count("self.sampler(") == 1 and "predict_bonus_token=True" in forward
+    assert "bonus_token_ids=bonus_sampler_output.sampled_token_ids" in forward
+    assert re.search(r"self\._get_logprobs_tensors\([^)]*output_token_ids,?\)", forward)
+    assert params(RejectionSampler._get_logprobs_tensors)[-1] == "sampled_token_ids"
+    assert {"bonus_logits_indices", "cu_num_draft_tokens"} <= {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
+    assert params(GPUModelRunner._sample) == ["self", "logits", "spec_decode_metadata"]
+    sample = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner._sample)))
+    assert "self.rejection_sampler(spec_decode_metadata," in sample
+    assert params(MoERunner._apply_quant_method)[:3] == ["self", "hidden_states", "router_logits"]
+    impl = inspect.getsource(MoERunner._forward_impl)
+    assert "self._apply_quant_method(" in impl and "router_logits=router_logits" in impl
+    init = inspect.getsource(GPUModelRunner.__init__)
+    for buffer in ("self.query_start_loc =", "self.num_decode_draft_tokens =", "self.max_num_tokens =",
+                   "self.rejection_sampler ="):
+        assert buffer in init, buffer
+    execute = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner.execute_model)))
+    assert execute.index("self.synchronize_input_prep()") < execute.index("self._prepare_inputs(")
+    assert callable(forward_context.get_forward_context) and callable(forward_context.is_forward_context_available)
+    assert "no_compile_layers" in {f.name for f in dataclasses.fields(forward_context.ForwardContext)}
 
 
 def test_tp_all_gather_is_vllms_tensor_parallel_all_gather():

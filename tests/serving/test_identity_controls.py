@@ -1,4 +1,4 @@
-"""Negative controls of the shared identity check (``identity.py``): three bugs planted in the running
+"""Negative controls of the shared identity check (``identity.py``): four bugs planted in the running
 engine, each of which the check must fail, next to the same engines without the bug, which it must
 pass. A tiny random hybrid Qwen3-Next target (float32, one-slot GDN layer) against a separate plain
 engine, 24 prompts x 24 tokens:
@@ -9,11 +9,13 @@ engine, 24 prompts x 24 tokens:
 - **no conv shift**: the verification reads the conv window without shifting in the pending round's
   ``m`` inputs (``layer.commit_conv_windows`` a no-op, the planted bug of ``engine/gdn/check.py``'s
   self-check test), ngram drafts;
-- **over-trim**: under async scheduling the length selector's cut of the scheduler output leaves
-  each verified draft list one token shorter than the tokens scheduled for it (the rejection sampler
-  then checks the drafts against logits one position off), H-Spec drafts at a fixed length of 3.
-  Under sync scheduling the cut lists *are* the schedule, so one token too many cut there only
-  verifies one draft fewer: greedy output cannot change (``test_selection.py``'s counters catch that).
+- **router cuts one more** and **bonus after the last draft**: the two halves of the device-side cut
+  (``engine/length/cut.py``) disagree by one token, under async scheduling, H-Spec drafts at a fixed
+  length of 3 (vLLM schedules all 4): each row's last verified token is routed to its anchor's
+  experts as if it were cut; or the rows stop at the cut while the bonus token comes from the
+  logits after the last scheduled draft. A cut that is one token longer or shorter in both halves
+  alike only verifies a different number of drafts: greedy output cannot change
+  (``test_selection.py`` counts the verified drafts against the selector's).
 
 The controls pass because the check fails (and would fail if it passed the planted bug)."""
 
@@ -137,21 +139,40 @@ def test_hspec_at_a_fixed_length_under_async_scheduling_passes(models, prompts, 
     check_hybrid_identity(ours, plain, "control: H-Spec, fixed length 3, async, no bug", models[0])
 
 
-def test_an_over_trimming_selector_fails_the_check(models, prompts, plain, async_scheduling, monkeypatch):
-    from vllm_hybridspec.engine.length import trimming
+def plant_router_cuts_one_too_many(monkeypatch) -> None:
+    """The planted "router cuts one more": each row's last verified token is routed to its anchor's
+    experts as if cut, while the sampler verifies it (``StepCut.route_tokens`` given ``w - 1``)."""
+    from vllm_hybridspec.engine.length import cut as cut_module
 
-    trim = trimming.trim_scheduler_output
+    route_tokens = cut_module.StepCut.route_tokens
 
-    def one_too_many(event, cpu_counts, scheduler_output, req_id_to_index):
-        trim(event, cpu_counts, scheduler_output, req_id_to_index)
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        for req_id, tokens in list(drafts.items()):
-            if len(tokens) > 1:
-                drafts[req_id] = tokens[:-1]
-            else:
-                drafts.pop(req_id)
+    def route_one_short(self, query_start_loc, n, w):
+        route_tokens(self, query_start_loc, n, (w - 1).clamp(min=1))
 
-    monkeypatch.setattr(trimming, "trim_scheduler_output", one_too_many)
+    monkeypatch.setattr(cut_module.StepCut, "route_tokens", route_one_short)
+
+
+def plant_bonus_after_the_last_draft(monkeypatch) -> None:
+    """The planted "bonus after the last draft": rows stop at their cut, but the bonus token is sampled
+    after the last scheduled draft, as vLLM would without the cut."""
+    from vllm_hybridspec.engine.length import cut as cut_module
+
+    bonus_at_cut = cut_module.StepCut.bonus_at_cut
+
+    def bonus_unmoved(self, metadata, num_rows):
+        _, v = bonus_at_cut(self, metadata, num_rows)
+        return metadata, v
+
+    monkeypatch.setattr(cut_module.StepCut, "bonus_at_cut", bonus_unmoved)
+
+
+@pytest.mark.parametrize("bug", ["router cuts one more", "bonus after the last draft"])
+def test_a_planted_cut_bug_fails_the_check(models, prompts, plain, async_scheduling, monkeypatch, bug):
+    """The device-side cut (``engine/length/cut.py``) with one of its two halves off by one token."""
+    if bug == "router cuts one more":
+        plant_router_cuts_one_too_many(monkeypatch)
+    else:
+        plant_bonus_after_the_last_draft(monkeypatch)
     ours = speculative_run(models[0], hspec(models), prompts, async_scheduling=True)
-    verdict = caught(ours, plain, "control: H-Spec, fixed length 3, async, over-trim", models[0])
+    verdict = caught(ours, plain, f"control: H-Spec, fixed length 3, async, {bug}", models[0])
     assert verdict.identical < MIN_IDENTICAL

@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 from vllm import SamplingParams
 
+from vllm_hybridspec.engine.length.cut import cut_of
 from vllm_hybridspec.policy.acceptance import FEATURES
 from vllm_hybridspec.policy.policy_file import PolicyFile
 
@@ -80,15 +81,18 @@ def check_greedy_identity(llm, plain: GreedyRun, label: str, max_tokens: list[in
     return ours
 
 
-def check_scheduled_equals_selected(llm):
-    """Sync scheduling hands the scheduler the cut lists, so vLLM's counters equal the selector's:
-    every row verified at length w contributes w - 1 draft tokens and, if w > 1, one draft."""
+def check_verified_equals_selected(llm):
+    """vLLM schedules every draft and the step verifies the selected prefix on the device: the drafts
+    the cut let the rejection sampler see equal the selector's (every row selected at length w
+    contributes w - 1), fewer than vLLM scheduled (K per drafted row), and at least those accepted."""
     stats = drafter_of(llm).length_selector.stats()
     rows = stats["rows_at_length"]
     counters = vllm_counters(llm)
-    print("rows verified at each length w:", rows, "| vLLM:", counters)
-    assert counters["num_draft_tokens"] == sum((w - 1) * n for w, n in rows.items())
-    assert counters["num_drafts"] == sum(n for w, n in rows.items() if w > 1)
+    verified = int(cut_of(runner_of(llm)).verified_drafts)
+    print("rows verified at each length w:", rows, "| drafts verified:", verified, "| vLLM:", counters)
+    assert verified == sum((w - 1) * n for w, n in rows.items())
+    assert counters["num_draft_tokens"] == K * counters["num_drafts"]
+    assert counters["num_accepted_tokens"] <= verified
     return rows
 
 
@@ -97,7 +101,7 @@ def test_selected_lengths_greedy_identity(target_dir, hspec_dir, plain, tmp_path
                    disable_log_stats=False)
     ours = check_greedy_identity(llm, plain, "selected lengths")
     assert len(ours.tokens) == NUM_PROMPTS >= 20
-    rows = check_scheduled_equals_selected(llm)
+    rows = check_verified_equals_selected(llm)
     # lengths varied: some rounds verified no draft, some verified several, and most lengths occurred
     assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
     assert len(rows) >= 4
@@ -107,7 +111,7 @@ def test_batched_shared_length_greedy_identity(target_dir, hspec_dir, plain, tmp
     policy = confidence_policy(tmp_path / "p.json", batched=[1, 4, 8])
     llm = make_llm(target_dir, spec(hspec_dir, policy=policy, batched=True), disable_log_stats=False)
     check_greedy_identity(llm, plain, "batched shared length")
-    rows = check_scheduled_equals_selected(llm)
+    rows = check_verified_equals_selected(llm)
     assert set(rows) - {1} and set(rows) <= {1, 2, 3, 4, 5, 6, 7, 8}
 
 
@@ -115,7 +119,7 @@ def test_fixed_length_and_output_budget(target_dir, hspec_dir, plain, tmp_path):
     """fixed_length=4 verifies 3 drafts per round, fewer only where max_tokens leaves less room."""
     llm = make_llm(target_dir, spec(hspec_dir, fixed_length=4), disable_log_stats=False)
     check_greedy_identity(llm, plain, "fixed length 4")
-    rows = check_scheduled_equals_selected(llm)
+    rows = check_verified_equals_selected(llm)
     assert set(rows) <= {1, 2, 3, 4} and rows[4] > rows.get(2, 0) + rows.get(3, 0)
 
 
@@ -253,7 +257,7 @@ def test_dflash_adapter_selects_lengths_greedy_identity(target_dir, plain, tmp_p
                                 "hybridspec": {"policy": policy}}, disable_log_stats=False)
     assert type(drafter_of(llm)).__name__ == "RunnerDFlashProposer"
     check_greedy_identity(llm, plain, "DFlash adapter, selected lengths")
-    rows = check_scheduled_equals_selected(llm)
+    rows = check_verified_equals_selected(llm)
     assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
 
 
@@ -277,25 +281,15 @@ def async_scheduling(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [{}, "policy", "gate"])
-def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path, async_scheduling, options,
-                                          monkeypatch):
+def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path, async_scheduling, options):
     """Verify-all (vLLM's own async path, the control), selected lengths, and the gate on half the
     batch sizes, all under the AsyncScheduler. vLLM's counters see K scheduled drafts per request
-    and count the cut ones as rejected (the documented metrics caveat); the selector's are exact."""
+    and count the cut ones as rejected (the documented metrics caveat); the selector's and the cut's
+    are exact."""
     if options == "policy":
         options = {"policy": confidence_policy(tmp_path / "p.json")}
     elif options == "gate":
         options = {"policy": confidence_policy(tmp_path / "p.json", gate={1: True, 6: False})}
-    from vllm_hybridspec.engine.length import trimming
-
-    verified = []  # drafts left scheduled per step after the runner's cut
-    trim = trimming.trim_scheduler_output
-
-    def counting_trim(event, cpu_counts, scheduler_output, req_id_to_index):
-        trim(event, cpu_counts, scheduler_output, req_id_to_index)
-        verified.append(sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values())))
-
-    monkeypatch.setattr(trimming, "trim_scheduler_output", counting_trim)
     llm = make_llm(target_dir, spec(hspec_dir, **options), disable_log_stats=False)
     assert runner_of(llm).use_async_scheduling
     assert type(llm.llm_engine.engine_core.engine_core.scheduler).__name__ == "AsyncScheduler"
@@ -314,5 +308,6 @@ def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path
         else:
             assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
         # the target verified exactly the selected drafts, not the K the scheduler reserved
-        print("drafts verified after the cut:", sum(verified), "selected:", sum((w - 1) * n for w, n in rows.items()))
-        assert sum(verified) == sum((w - 1) * n for w, n in rows.items()) < counters["num_draft_tokens"]
+        verified = int(cut_of(runner_of(llm)).verified_drafts)
+        print("drafts verified after the cut:", verified, "selected:", sum((w - 1) * n for w, n in rows.items()))
+        assert verified == sum((w - 1) * n for w, n in rows.items()) < counters["num_draft_tokens"]

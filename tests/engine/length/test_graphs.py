@@ -92,32 +92,27 @@ def test_nothing_added_with_lora_or_without_full_decode_graphs():
     assert graphs.add_length_keys(d, (1, 2), max_num_seqs=8) == 0
 
 
-def test_graph_lengths_follow_the_options():
-    def config(options, k=7):
-        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                               additional_config={"hybridspec": options})
-
-    assert graphs.graph_lengths(config({})) == (1,)  # drafting off; K + 1 is vLLM's own
-    assert graphs.graph_lengths(config({"fixed_length": 3})) == (1, 3)
-    assert graphs.graph_lengths(config({"full_graph_lengths": [2, 4, 8]})) == (2, 4)
-    assert graphs.graph_lengths(config({"full_graph_lengths": False})) == ()
-    assert graphs.graph_lengths(SimpleNamespace(speculative_config=None, additional_config={})) == ()
-    assert graphs.graph_lengths(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=7),
-                                                additional_config={})) == ()
-
-
-def test_graph_lengths_of_a_policy_are_every_length_it_can_select(tmp_path):
-    """A per-request policy picks any length in min_length..D + 1 (and 1 at the end of a request's
-    budget); its batched variant's candidates too."""
+def test_graph_lengths_follow_the_options(tmp_path):
+    """Only the gated step (w = 1) gets a graph of its own: selected lengths, fixed or from a policy,
+    run in vLLM's K + 1 graphs (every draft scheduled, the step cut on the device)."""
     import json
 
     policy = json.loads(open("examples/policy_synth.json").read())
     path = tmp_path / "policy.json"
     path.write_text(json.dumps(policy))
-    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=policy["draft_len"]),
-                             additional_config={"hybridspec": {"policy": str(path)}})
-    want = tuple(range(1, policy["draft_len"] + 1))  # 1, and min_length .. D (D + 1 is vLLM's own)
-    assert policy["min_length"] == 2 and graphs.graph_lengths(config) == want
+
+    def config(options, k=7):
+        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                               additional_config={"hybridspec": options})
+
+    assert graphs.graph_lengths(config({})) == (1,)  # drafting off; K + 1 is vLLM's own
+    assert graphs.graph_lengths(config({"fixed_length": 3})) == (1,)
+    assert graphs.graph_lengths(config({"policy": str(path)}, k=policy["draft_len"])) == (1,)
+    assert graphs.graph_lengths(config({"full_graph_lengths": [2, 4, 8]})) == (2, 4)
+    assert graphs.graph_lengths(config({"full_graph_lengths": False})) == ()
+    assert graphs.graph_lengths(SimpleNamespace(speculative_config=None, additional_config={})) == ()
+    assert graphs.graph_lengths(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=7),
+                                                additional_config={})) == ()
 
 
 class _Runner:

@@ -52,12 +52,15 @@ def test_selected_counts_are_the_policy_lengths_capped_by_the_budget(tmp_path, g
     conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
     w_rem = torch.randint(1, K + 2, (n,), generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
-    counts = selector.select(drafts, conf, ent, w_rem)
+    req_ids = [f"r{i}" for i in range(n)]
+    counts = selector.select(drafts, conf, ent, w_rem, req_ids)
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
     assert counts.dtype == torch.int32 and torch.equal(counts.long(), torch.minimum(w0, w_rem) - 1)
     assert len(set(w0.tolist())) >= 3  # the confidences spread the lengths
-    assert selector.host_counts(drafts, n) == counts.tolist()
-    assert selector.host_counts(drafts.clone(), n) is None  # another tensor: not ours to cut
+    num_valid, rows = selector.selected(drafts)
+    assert num_valid is counts and rows == {r: i for i, r in enumerate(req_ids)}
+    assert selector.selected(drafts.clone()) is None  # another tensor: not ours to cut
+    assert not selector.gated_step(drafts)
     stats = selector.stats()
     assert sum(stats["rows_at_length"].values()) == n and stats["steps"] == 1
     assert stats["rows_at_length"] == {w: int((counts + 1 == w).sum()) for w in range(1, K + 2)
@@ -71,7 +74,7 @@ def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, g
     w_rem = torch.full((n,), K + 1)
     w_rem[0] = 2
     counts = selector.select(torch.zeros(n, K, dtype=torch.long), torch.rand(n, K, generator=gen),
-                             torch.rand(n, K, generator=gen), w_rem)
+                             torch.rand(n, K, generator=gen), w_rem, list("abcdef"))
     shared = int(counts[1]) + 1
     assert shared in (1, 4, 8) and (counts[1:] + 1 == shared).all() and int(counts[0]) == min(shared, 2) - 1
 
@@ -79,13 +82,15 @@ def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, g
 def test_fixed_length_and_gate(tmp_path, gen):
     selector = LengthSelector(HybridSpecOptions(fixed_length=5), K, torch.device("cpu"), max_num_reqs=8)
     w_rem = torch.tensor([1, 3, 5, 8])
-    counts = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem)
+    counts = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem,
+                             list("abcd"))
     assert counts.tolist() == [0, 2, 4, 4] and selector.speculate(1000)  # no policy: no gate
     gated = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: True, 8: False})), K,
                            torch.device("cpu"), max_num_reqs=16)
     assert [gated.speculate(b) for b in (1, 7, 8, 16)] == [True, True, False, False]
     drafts = torch.zeros(8, K, dtype=torch.long)
-    assert gated.gated(drafts) is drafts and gated.host_counts(drafts, 8) == [0] * 8
+    assert gated.gated(drafts) is drafts and gated.gated_step(drafts) and gated.selected(drafts) is None
+    assert not gated.gated_step(drafts.clone())
     assert gated.stats()["gated_steps"] == 1
     off = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: False}), gate=False), K,
                          torch.device("cpu"), max_num_reqs=16)
@@ -116,19 +121,20 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
     w_rem = torch.full((n,), K + 1)
+    ids = [f"r{i}" for i in range(n)]
 
     selector.configure(fixed_length=3)
-    assert selector.select(drafts, conf, ent, w_rem).tolist() == [2] * n
+    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [2] * n
     selector.configure(drafting=False)
     assert selector.active and not selector.speculate(1) and not selector.speculate(64)
     selector.configure(policy=path)
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
-    assert torch.equal(selector.select(drafts, conf, ent, w_rem).long(), w0 - 1)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).long(), w0 - 1)
     assert selector.speculate(2) and not selector.speculate(4)  # the policy's gate
     selector.configure(policy=path, gate=False)
     assert selector.speculate(4)
     selector.configure()
-    assert selector.select(drafts, conf, ent, w_rem).tolist() == [K] * n and selector.speculate(4)
+    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [K] * n and selector.speculate(4)
     # trim=False: every draft verified without the selector (inactive: the runner patches pass through)
     selector.configure(trim=False)
     assert not selector.active and not selector.trims and selector.speculate(4)
@@ -169,7 +175,7 @@ def test_configure_refuses_trimmed_lengths_when_the_gdn_layers_run_vllms_own_pat
     n = 5
     conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
-    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1)).tolist() == [K] * n
+    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1), list("abcde")).tolist() == [K] * n
     selector.configure(fixed_length=K + 1)
     selector.configure(drafting=False)
     assert not selector.speculate(1)

@@ -28,6 +28,7 @@ from vllm_hybridspec.engine.config import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
+from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.options import hybridspec_options
@@ -64,6 +65,7 @@ class RunnerDFlashProposer(DFlashProposer):
                 verifies_every_draft=on_vllm_gdn_path(vllm_config))
             if runner is not None:
                 attach_selector(runner, self.length_selector)
+                attach_cut(runner)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
         self.round_capture = None  # calibration records, with "hybridspec": {"capture": path}
         if options is not None and options.capture is not None:
@@ -120,7 +122,7 @@ class RunnerDFlashProposer(DFlashProposer):
             top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
             if w_rem is None:
                 w_rem = remaining_budget(self.runner, prefix_lens, k)
-            selector.select(drafts, top1, ent, w_rem)
+            selector.select(drafts, top1, ent, w_rem, self.runner.input_batch.req_ids)
         return drafts
 
 
@@ -207,7 +209,7 @@ class HSpecProposer(RunnerDFlashProposer):
         if self.round_capture is not None:
             self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
         if selector is not None and selector.trims:
-            selector.select(block.tokens, block.top1_prob, block.entropy, w_rem)
+            selector.select(block.tokens, block.top1_prob, block.entropy, w_rem, self.runner.input_batch.req_ids)
         return block.tokens
 
     def _draft_block(self, block: DraftBlock, anchors: torch.Tensor, prefix_lens: torch.Tensor) -> DraftBlock:

@@ -1,14 +1,13 @@
-"""Full CUDA graphs for every verification length (HybridSpec: the selected length must also be the
-fast one).
+"""Full CUDA graphs for uniform batches of fewer than ``K + 1`` tokens per request: the step the batch
+gate turns off (``w = 1``), and any length ``"full_graph_lengths"`` lists.
 
 vLLM 0.26 captures full graphs for uniform decode batches of exactly ``K + 1`` tokens per request
-(``uniform_decode_query_len``) and runs every other batch piecewise. With length selection a step
-verifies ``w <= K + 1`` tokens per request (one ``w`` per step in the batched variant and always at
-batch size 1; ``w = 1`` when the batch gate turns drafting off), so without more graphs every
-selected length would pay for piecewise execution. These patches capture, next to vLLM's own,
-full graphs for uniform batches of ``w`` tokens per request for every ``w`` in :func:`graph_lengths`
-at the batch sizes of :data:`BATCH_SIZES`, and dispatch each uniform step to the graph of its ``w``.
-Batches with per-request lengths that differ stay piecewise.
+(``uniform_decode_query_len``) and runs every other batch piecewise. A selected length needs no graph
+of its own (vLLM schedules every draft and the step cuts on the device, ``cut.py``), but a gated step
+schedules one token per request. These patches capture, next to vLLM's own, full graphs for uniform
+batches of ``w`` tokens per request for every ``w`` in :func:`graph_lengths` at the batch sizes of
+:data:`BATCH_SIZES`, and dispatch each uniform step to the graph of its ``w``. Batches with
+per-request lengths that differ stay piecewise.
 
 vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, ``vllm/v1/cudagraph_dispatcher.py``):
 
@@ -37,11 +36,11 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 def graph_lengths(vllm_config) -> tuple[int, ...]:
-    """The verification lengths that get full graphs besides vLLM's ``K + 1``: ``w = 1`` (a step the
-    gate turns off), every length the policy file can select (``min_length .. D + 1`` per request and
-    the batched variant's candidates), ``fixed_length``; or the lengths ``"full_graph_lengths"`` lists.
-    Empty without ``"hybridspec"`` options, with ``"full_graph_lengths": false``, or without spec
-    decoding."""
+    """The verification lengths that get full graphs besides vLLM's ``K + 1``: ``w = 1``, a step the
+    gate (or ``configure(drafting=False)``) turns off, which vLLM schedules without drafts; selected
+    lengths need none, since vLLM schedules every draft and the step cuts on the device (``cut.py``).
+    Or the lengths ``"full_graph_lengths"`` lists. Empty without ``"hybridspec"`` options, with
+    ``"full_graph_lengths": false``, or without spec decoding."""
     from vllm_hybridspec.engine.options import hybridspec_options
 
     spec = vllm_config.speculative_config
@@ -49,19 +48,7 @@ def graph_lengths(vllm_config) -> tuple[int, ...]:
     if spec is None or not spec.num_speculative_tokens or options is None or options.full_graph_lengths is False:
         return ()
     k = spec.num_speculative_tokens
-    if isinstance(options.full_graph_lengths, list):
-        lengths = set(options.full_graph_lengths)
-    else:
-        lengths = {1}
-        if options.fixed_length is not None:
-            lengths.add(options.fixed_length)
-        if options.policy is not None:
-            from vllm_hybridspec.policy.policy_file import load_policy
-
-            policy = load_policy(options.policy)
-            lengths.update(range(policy.min_length, policy.draft_len + 2))
-            for batched in policy.batched.values():
-                lengths.update(batched.candidates)
+    lengths = set(options.full_graph_lengths) if isinstance(options.full_graph_lengths, list) else {1}
     return tuple(sorted(w for w in lengths if 1 <= w < k + 1))
 
 

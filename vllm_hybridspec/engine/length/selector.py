@@ -3,15 +3,14 @@
 After each drafting round the proposer hands the draft's per-token top-1 probability and entropy
 ``[N, K]`` to :class:`LengthSelector`, which picks on device how many of each request's ``K`` drafts
 the target verifies next step (``w - 1`` for the policy's length ``w``; ``w = 1`` verifies none),
-capped by the request's remaining output budget. The drafts tensor stays ``[N, K]``; the runner
-patches in ``trimming.py`` cut what the scheduler schedules to these counts (sync scheduling: the
-draft lists handed to the scheduler; async scheduling: the scheduler output, as vLLM does for
-``ngram_gpu``), so the rejection sampler checks exactly the selected prefixes. The lengths depend
-only on the drafter's outputs, never on the target's sampling, so greedy output and the sampling
-distribution are unchanged.
+capped by the request's remaining output budget. The lengths stay on the device: vLLM schedules every
+draft and the step verifies the selected prefix of each (``cut.py``), so nothing waits for them on the
+host. They depend only on the drafter's outputs, never on the target's sampling, so greedy output and
+the sampling distribution are unchanged.
 
 The batch gate turns drafting off for a whole step when the policy's gate table says plain decoding
-is faster at this batch size: no drafter forward, every count 0, known on the host (no wait).
+is faster at this batch size: no drafter forward, every count 0, known on the host (``trimming.py``
+takes the drafts out of what vLLM schedules, without waiting for anything).
 """
 
 from __future__ import annotations
@@ -22,13 +21,6 @@ import torch
 from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.policy.policy_file import Policy
 from vllm_hybridspec.policy.selector import select_shared_length
-
-
-class _Ready:
-    """Stands in for a CUDA event when the counts are already on the host."""
-
-    def synchronize(self) -> None:
-        pass
 
 
 class LengthSelector:
@@ -48,12 +40,9 @@ class LengthSelector:
         self.gated_steps = 0
         self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
         self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
-        self._cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.rows: dict[str, int] = {}  # request id -> its row of drafts and num_valid
+        self.gated_drafts = False  # the drafts are a gated step's, verified nowhere (known on the host)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
-        self._event = _Ready()
-        self._cuda_event = self._stream = None
-        if device.type == "cuda":
-            self._cuda_event, self._stream = torch.cuda.Event(), torch.cuda.Stream()
 
     def _apply(self, options: HybridSpecOptions) -> None:
         policy = Policy.load(options.policy, self.device) if options.policy else None  # may raise: nothing set yet
@@ -109,18 +98,16 @@ class LengthSelector:
 
     def gated(self, drafts: torch.Tensor) -> torch.Tensor:
         """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
-        n = drafts.shape[0]
         self.steps += 1
         self.gated_steps += 1
-        self.drafts, self.num_valid = drafts, None
-        self._cpu[:n] = 0
-        self._event = _Ready()
+        self.drafts, self.num_valid, self.rows, self.gated_drafts = drafts, None, {}, True
         return drafts
 
     def select(self, drafts: torch.Tensor, top1_prob: torch.Tensor, entropy: torch.Tensor,
-               w_rem: torch.Tensor) -> torch.Tensor:
+               w_rem: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
         """drafts, top1_prob, entropy: [N, K] (input-batch rows); w_rem: [N] int64, the most tokens
-        a round may still produce for each request (>= 1). Returns ``num_valid`` [N] int32."""
+        a round may still produce for each request (>= 1); ``req_ids``: the requests of the ``N`` rows.
+        Returns ``num_valid`` [N] int32, on the device (nothing is copied to the host)."""
         n, k = drafts.shape
         self.steps += 1
         if self.options.fixed_length is not None:
@@ -143,37 +130,23 @@ class LengthSelector:
             num_valid = broadcast_from_tp_rank0(num_valid)
         # length_counts[num_valid + 1] += 1, indexing the view from 1 with num_valid as it is
         self.length_counts[1:].index_add_(0, num_valid, self._ones[:n])
-        self.drafts, self.num_valid = drafts, num_valid
-        self._copy_to_host(num_valid)
+        self.drafts, self.num_valid, self.gated_drafts = drafts, num_valid, False
+        self.rows = {r: i for i, r in enumerate(req_ids[:n])}
         return num_valid
-
-    def _copy_to_host(self, num_valid: torch.Tensor) -> None:
-        n = num_valid.shape[0]
-        if self._stream is None:
-            self._cpu[:n].copy_(num_valid)
-            self._event = _Ready()
-            return
-        from vllm_hybridspec.engine.length.trimming import copy_counts_to_host
-
-        copy_counts_to_host(self._cpu, self._stream, self._cuda_event, num_valid, n)
-        self._event = self._cuda_event
 
     # --- read by the runner patches ----------------------------------------------------------------
 
-    def counts_for(self, drafts) -> tuple[object, torch.Tensor] | None:
-        """``(event, cpu counts)`` when ``drafts`` is the tensor this selector last cut (else vLLM
-        scheduled something we did not draft, e.g. the zeros of a step that skipped the drafter)."""
-        if drafts is None or drafts is not self.drafts:
+    def selected(self, drafts) -> tuple[torch.Tensor, dict[str, int]] | None:
+        """``(num_valid [N] on the device, request id -> row)`` when ``drafts`` is the tensor this
+        selector last selected lengths for (``cut.py`` gathers them for the step that verifies it)."""
+        if drafts is None or drafts is not self.drafts or self.num_valid is None:
             return None
-        return self._event, self._cpu
+        return self.num_valid, self.rows
 
-    def host_counts(self, drafts, n: int) -> list[int] | None:
-        found = self.counts_for(drafts)
-        if found is None:
-            return None
-        event, cpu = found
-        event.synchronize()
-        return cpu[:n].tolist()
+    def gated_step(self, drafts) -> bool:
+        """Whether ``drafts`` is the tensor of a gated step (``trimming.py`` takes them out of what
+        vLLM schedules)."""
+        return drafts is not None and drafts is self.drafts and self.gated_drafts
 
     def stats(self) -> dict[str, object]:
         """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""

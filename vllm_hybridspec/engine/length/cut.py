@@ -1,0 +1,280 @@
+"""The selected length reaches the target on the device (HybridSpec, throughput-aware verification:
+the two-stage verification at the router boundary). Nothing of it is read on the host.
+
+vLLM schedules every draft of a row, as it does without the selector, so one full CUDA graph per
+batch size serves every length; the step then verifies only the first ``w - 1`` drafts of each row,
+``w`` being the length the selector picked for the row in the round before:
+
+* **Rows** (after ``GPUModelRunner._prepare_inputs``): each spec-decode row's ``w`` is gathered on the
+  device from the selector's lengths of the previous round (``LengthSelector.selected``, rows of the
+  input batch then, matched to this step's rows by request id on the host); every other row keeps all
+  its tokens. From it, per token of the step: ``keep`` (position in its row ``< w``) and ``source``
+  (the token itself, or its row's first token where it is cut), into persistent buffers.
+* **Experts** (``MoERunner._apply_quant_method``): the router logits of a cut token are those of its
+  row's first token (the anchor, always verified), so the experts the step reads are the verified
+  tokens' own. A cut token's output is never read: attention, the GDN recurrence and the convolution
+  are causal, so no verified position depends on a later one, and the sampler stops at ``w``.
+* **Sampling** (``GPUModelRunner._sample``): the rejection sampler runs on every draft as vLLM's own,
+  with each row's bonus token sampled from the target's distribution at position ``w - 1`` instead of
+  after the last draft; a row that accepted its first ``w - 1`` drafts then ends with that bonus token.
+  The accept/reject decisions of those drafts are the ones a round of ``w`` would make, and the bonus
+  is an independent sample of the same distribution, so greedy output and the sampling distribution
+  are the target's, as with drafts verified one by one. The sampled ids (``-1`` past each row's
+  tokens) are what every consumer reads: the runner's accepted counts, the one-slot GDN layer's commit,
+  the drafter's next anchors. The cut drafts count as rejected in vLLM's acceptance metrics.
+
+Log-probabilities are those of the tokens the rows end with (the sampler's logprob gather sees the
+cut rows). A step cuts nothing (``w = K + 1`` everywhere) when a request asks for logits that depend
+on the drafts before the bonus: penalties, bad words, a thinking budget. Rows without drafts
+(prefills) keep every token.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from vllm_hybridspec.engine.compat import wrap_once
+
+NO_CUT = 1 << 30  # the length of a row that keeps every token
+
+
+class StepCut:
+    """Per model runner: the device buffers the step's cut lives in (fixed addresses, so full CUDA
+    graphs captured with them read each step's values) and whether this step cuts."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device, pin: bool):
+        self.w = torch.full((max_num_reqs,), NO_CUT, dtype=torch.int32, device=device)  # [R] per row
+        self.source = torch.arange(max_num_tokens, dtype=torch.int64, device=device)  # [T] router row of each token
+        self._tokens = torch.arange(max_num_tokens, dtype=torch.int64, device=device)
+        self._prev_row = torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=pin)  # [R] host staging
+        self._prev_row_dev = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.active = False  # this step cuts (the sampler reads it)
+        self.steps_cut = 0
+        self.verified_drafts = torch.zeros((), dtype=torch.int64, device=device)  # sum of v over cut rows
+
+    def reset(self) -> None:
+        """Every token routed as its own and no row cut: a forward that is not a served step (vLLM's
+        dummy runs and graph captures), or a step that cuts nothing."""
+        self.w.fill_(NO_CUT)
+        self.source.copy_(self._tokens)
+        self.active = False
+
+    def plan(self, num_valid: torch.Tensor, prev_rows: dict[str, int], req_ids: list[str],
+             spec_rows: np.ndarray, query_start_loc: torch.Tensor) -> None:
+        """``num_valid`` ``[N_prev]`` (device): drafts to verify per row of the previous round, whose
+        request ids map to rows by ``prev_rows``; ``req_ids``: this step's rows; ``spec_rows`` ``[N]``
+        bool: rows that verify drafts this step; ``query_start_loc`` ``[N + 1]`` (device): the step's
+        token offsets. Fills ``w`` and ``source`` on the device, without a host read."""
+        n = len(req_ids)
+        prev = self._prev_row.numpy()
+        prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
+        self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
+        idx = self._prev_row_dev[:n]
+        w = num_valid.index_select(0, idx.clamp(min=0)).to(torch.int32) + 1
+        self.w[:n] = torch.where(idx >= 0, w, NO_CUT)
+        self.route_tokens(query_start_loc, n, self.w)
+        self.active = True
+        self.steps_cut += 1
+
+    def route_tokens(self, query_start_loc: torch.Tensor, n: int, w: torch.Tensor) -> None:
+        """``source`` of every token: itself while its position in its row is below the row's ``w``
+        (``[N]``, device), its row's first token past it; tokens past the step's last one keep theirs."""
+        t = self._tokens
+        ends = query_start_loc[1 : n + 1].to(torch.int64)
+        row = torch.searchsorted(ends, t, right=True).clamp_(max=n - 1)  # [T]
+        start = query_start_loc.to(torch.int64).index_select(0, row)
+        keep = (t - start < w.index_select(0, row)) | (t >= ends[-1:])
+        torch.where(keep, t, start, out=self.source)
+
+    def route(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """``router_logits`` ``[T, E]`` of the step's tokens: a cut token's row replaced by its row's
+        first token's (one gather; the identity when nothing is cut)."""
+        T = router_logits.shape[0]
+        if T > self.source.shape[0]:
+            return router_logits
+        return router_logits.index_select(0, self.source[:T])
+
+    def bonus_at_cut(self, metadata, num_rows: int):
+        """``(metadata with each row's bonus index at its cut, v [N])``: ``v`` the drafts verified
+        per row (``min(w - 1, drafts scheduled)``)."""
+        from dataclasses import replace
+
+        cu = metadata.cu_num_draft_tokens  # [N] int32, device
+        drafts = torch.diff(cu, prepend=cu.new_zeros(1))
+        v = torch.minimum(self.w[:num_rows] - 1, drafts)
+        self.verified_drafts += v.sum()
+        return replace(metadata, bonus_logits_indices=metadata.bonus_logits_indices - (drafts - v)), v
+
+
+def end_rows_at_cut(token_ids: torch.Tensor, bonus: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The rejection sampler's ``token_ids`` ``[N, 1 + max drafts]`` (``-1`` past each row's tokens)
+    for rows that verify only their first ``v`` drafts: a row that accepted at least ``v`` ends with
+    ``bonus`` (``[N]`` or ``[N, 1]``) at position ``v``; a row rejected before ``v`` is unchanged."""
+    cols = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
+    accepted = (token_ids != -1).sum(dim=1, keepdim=True) - 1
+    full = accepted >= v[:, None]
+    token_ids = torch.where(full & (cols == v[:, None]), bonus.reshape(-1, 1).to(token_ids.dtype), token_ids)
+    return torch.where(full & (cols > v[:, None]), token_ids.new_full((), -1), token_ids)
+
+
+def cuts_nothing(sampling_metadata) -> bool:
+    """Whether a request of the batch asks for logits that depend on the drafts before the bonus
+    (penalties, bad words, a thinking budget), which the cut would change. Logits processors are not
+    among them: vLLM applies them alike at every position of a row
+    (``RejectionSampler.apply_logits_processors``), the bonus's included."""
+    m = sampling_metadata
+    holder = getattr(m, "thinking_budget_state_holder", None)
+    return (not m.no_penalties or bool(m.bad_words_token_ids)
+            or (holder is not None and holder.has_tracked_requests()))
+
+
+# --- per runner ------------------------------------------------------------------------------------
+
+_CUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> StepCut
+_BY_CONTEXT: dict[int, StepCut] = {}  # id(static forward context) -> StepCut, dropped with the runner
+
+
+def attach_cut(runner) -> StepCut:
+    """The runner's :class:`StepCut`, made at the first call (the proposer makes it at construction,
+    before vLLM captures any graph)."""
+    cut = _CUTS.get(runner)
+    if cut is None:
+        device = torch.device(runner.device)
+        cut = _CUTS[runner] = StepCut(runner.max_num_reqs, runner.max_num_tokens, device, device.type == "cuda")
+        key = id(runner.compilation_config.static_forward_context)
+        _BY_CONTEXT[key] = cut
+        weakref.finalize(runner, _BY_CONTEXT.pop, key, None)
+    return cut
+
+
+def cut_of(runner) -> StepCut | None:
+    return _CUTS.get(runner)
+
+
+def cut_of_forward() -> StepCut | None:
+    """The :class:`StepCut` of the runner whose forward is running (``vllm.forward_context``: its
+    ``no_compile_layers`` is the runner's static forward context)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return _BY_CONTEXT.get(id(get_forward_context().no_compile_layers))
+
+
+def plan_step_cut(runner, scheduler_output) -> None:
+    """After ``_prepare_inputs``: this step's cut, or none."""
+    from vllm_hybridspec.engine.length.trimming import selector_of
+
+    cut = _CUTS.get(runner)
+    if cut is None:
+        return
+    selector = selector_of(runner)
+    found = None if selector is None else selector.selected(runner._draft_token_ids)
+    n = runner.input_batch.num_reqs
+    if (found is None or not scheduler_output.scheduled_spec_decode_tokens
+            or cuts_nothing(runner.input_batch.sampling_metadata)):
+        if cut.active:
+            cut.reset()
+        return
+    num_valid, prev_rows = found
+    spec_rows = runner.num_decode_draft_tokens.np[:n] > 0  # decode rows with drafts (others keep every token)
+    cut.plan(num_valid, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1])
+
+
+def sample_with_cut(runner, original, logits, spec_decode_metadata):
+    """``GPUModelRunner._sample`` with the step's cut (the module docstring, "Sampling")."""
+    cut = _CUTS.get(runner)
+    if cut is None or not cut.active or spec_decode_metadata is None:
+        return original(runner, logits, spec_decode_metadata)
+    n = runner.input_batch.num_reqs
+    metadata, v = cut.bonus_at_cut(spec_decode_metadata, n)
+    rejection = runner.rejection_sampler
+    sampler = rejection.sampler
+    bonus = []
+    sample, gather_logprobs = sampler.forward, rejection._get_logprobs_tensors
+
+    def recording_forward(*args, **kwargs):  # Sampler.forward, recording the bonus tokens
+        out = sample(*args, **kwargs)
+        if kwargs.get("predict_bonus_token"):
+            bonus.append(out.sampled_token_ids)
+        return out
+
+    def logprobs_of_cut_rows(*args):  # RejectionSampler._get_logprobs_tensors(..., sampled_token_ids)
+        return gather_logprobs(*args[:-1], end_rows_at_cut(args[-1], bonus[0], v))
+
+    # instance attributes for this call only
+    sampler.forward, rejection._get_logprobs_tensors = recording_forward, logprobs_of_cut_rows
+    try:
+        out = original(runner, logits, metadata)
+    finally:
+        del sampler.forward, rejection._get_logprobs_tensors
+    if len(bonus) != 1:
+        raise RuntimeError(f"vllm-hybridspec: the rejection sampler sampled {len(bonus)} bonus batches in one "
+                           "step, expected 1 (vllm.v1.sample.rejection_sampler.RejectionSampler.forward changed)")
+    out.sampled_token_ids = end_rows_at_cut(out.sampled_token_ids, bonus[0], v)
+    return out
+
+
+# --- the reaches into vLLM -------------------------------------------------------------------------
+
+
+def _cut_after_prepare_inputs(original):
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = original(self, scheduler_output, *args, **kwargs)
+        plan_step_cut(self, scheduler_output)
+        return result
+
+    return _prepare_inputs
+
+
+def _cut_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        return sample_with_cut(self, original, logits, spec_decode_metadata)
+
+    return _sample
+
+
+def _reset_before_dummy_run(original):
+    def _dummy_run(self, *args, **kwargs):
+        cut = _CUTS.get(self)
+        if cut is not None:
+            cut.reset()
+        return original(self, *args, **kwargs)
+
+    return _dummy_run
+
+
+def _routed_at_cut(original):
+    def _apply_quant_method(self, hidden_states, router_logits, *args, **kwargs):
+        cut = cut_of_forward()
+        if cut is not None:
+            router_logits = cut.route(router_logits)
+        return original(self, hidden_states, router_logits, *args, **kwargs)
+
+    return _apply_quant_method
+
+
+def patch_device_cut() -> None:
+    """Wrap four vLLM 0.26 methods (the module docstring says what each does):
+
+    * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by the CPU runner):
+      after it the step's rows, their draft counts (``num_decode_draft_tokens``, written whenever the
+      step has drafts), ``query_start_loc`` and the sampling metadata are final and the model has not
+      run; the cut is planned there (inside vLLM's ``synchronize_input_prep``, which guards the reuse
+      of the pinned staging buffer);
+    * ``GPUModelRunner._sample``: the rejection sampler with each row's bonus at its cut;
+    * ``GPUModelRunner._dummy_run``: no cut in profiling runs, warm-ups and graph captures;
+    * ``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._apply_quant_method``: it routes
+      the step's tokens (inside vLLM's opaque ``moe_forward`` custom op, so the gather runs in eager,
+      piecewise and full-graph execution alike, after expert-parallel dispatch, which these engines
+      do not use)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    wrap_once(GPUModelRunner, "_prepare_inputs", _cut_after_prepare_inputs)
+    wrap_once(GPUModelRunner, "_sample", _cut_sample)
+    wrap_once(GPUModelRunner, "_dummy_run", _reset_before_dummy_run)
+    wrap_once(MoERunner, "_apply_quant_method", _routed_at_cut)
