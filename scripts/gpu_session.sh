@@ -7,6 +7,8 @@
 #                                        # then 30 layers at the 35B shape as one CUDA graph against the
 #                                        # bandwidth and launch floors (no vLLM needed)
 #   bash scripts/gpu_session.sh extras   # speculators & co. next to the bundle (.devextras/e00 carried)
+#   bash scripts/gpu_session.sh draftround # the H-Spec drafting round at the 35B shape, vLLM-free (hybridspec kernels
+#                                        # draft-round): layers, LM head, torch and fused Markov heads, the floor
 #   bash scripts/gpu_session.sh smoke    # tiny random Qwen3-Next, vLLM's default graphs: greedy identity of
 #                                        # ngram + one-slot GDN against plain decoding (float32)
 #   bash scripts/gpu_session.sh bisect   # the smoke comparison with the engine eager, piecewise only, full graphs
@@ -20,8 +22,9 @@
 #                                        # w = 1..16, B = 1, 4 (ours, K = 15, full graphs, and w = 16 with the
 #                                        # selector off: --untrimmed; then piecewise),
 #                                        # plain decoding, vLLM's GDN path (K = 15 and 7, all)
-#   bash scripts/gpu_session.sh sliceprof # the same slice under torch.profiler: ours at w = 1, 2, 8, 16 (full graphs) and
-#                                        # plain decoding, B = ${B:-1}: operator tables, traces, drafter rounds
+#   bash scripts/gpu_session.sh sliceprof # the same slice under torch.profiler with async scheduling on: ours at w = 1
+#                                        # (drafting off) and 16, and plain decoding, B = ${B:-1}: operator tables,
+#                                        # traces, drafter rounds
 #   bash scripts/gpu_session.sh ref32    # reference hybrid, float32, default graphs, one-slot layer: greedy identity
 #                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
 #   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
@@ -47,12 +50,24 @@ run() {  # run NAME CMD...: with the time left, output to $R/NAME.log, the inter
   grep -E "^(B=|engine started|config|plain|ngram|hspec|wrote|PASS|FAIL|\{\"w\")|identical|ms/step|rror|Traceback|  w=|floor" \
     "$R/$name.log" | grep -v "^INFO\|^DEBUG\|hspec-check" | tail -30
 }
-pack() { tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"; }
+pack() {  # the results, then the compile caches in parts of 15 MiB (at most 6: what comes back is 8 files, 64 MiB)
+  tar cf "$OUT/$STAGE.tar" -C /tmp/hs-results "$STAGE"
+  if [ "${PACK_CACHES:-1}" = 1 ] && [ -d "$HS_CACHE" ]; then
+    tar cz -C "$HS_CACHE" --exclude=.restored . | split -b 15M -d - "$OUT/c"
+    n=$(ls "$OUT"/c[0-9][0-9] | wc -l)
+    if [ "$n" -gt 6 ]; then rm -f "$OUT"/c[0-9][0-9]; echo "caches: $n parts, too many to bring back"; else
+      echo "caches packed: $n parts ($(du -sh "$HS_CACHE" | cut -f1) unpacked); carry them as .devcache/"; fi
+  fi
+}
 trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
 
 case "$STAGE" in
+draftround)
+  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches 1,4,16,64 --tune \
+    --json "$R/draft_round.json"
+  ;;
 kernels)
   run fused python3 -m vllm_hybridspec.cli kernels fused --json "$R/fused_round.json"
   ;;
@@ -129,33 +144,30 @@ slice|full35)
   LAYERS=12; [ "$STAGE" = full35 ] && LAYERS=40
   FS=/tmp/full-shape-$LAYERS
   [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers $LAYERS --block-size 16 > "$R/shape.log" 2>&1
+  # graphs only at the sizes the rows use: 1 and 4 requests of 1 token (plain, drafting off) or 16 (K + 1)
+  SENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}'
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
-     --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$ENG" --batch-sizes 1,4 --steps 48 --warmup 8)
+     --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
-  # the one-slot layer's spec steps in full graphs first, then plain, vLLM's own path, and the layer piecewise
+  # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
   run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \
     --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm15.json"
-  run ours python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16]}}" \
-    --out "$R/ours.json"
-  run vllm7 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 8 \
-    --speculative-config "{\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 7, \"hybridspec\": {\"gdn_kernel\": false}}" \
-    --out "$R/vllm7.json"
   ;;
 sliceprof)
-  # where a drafting step's time goes at the 12-layer slice: torch.profiler over a few steps (async
-  # scheduling off) of ours in full graphs at w = 1 (drafting off), 2, 8, 16 and of plain decoding, B=${B:-1}
+  # where a step's time goes at the 12-layer slice: torch.profiler over a few steps with async scheduling on,
+  # of ours in full graphs at w = 1 (drafting off) and 16, and of plain decoding, B=${B:-1}
   FS=/tmp/full-shape-12
   [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers 12 --block-size 16 > "$R/shape.log" 2>&1
+  SENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}'
   P=(--model $FS/target --load-format dummy --vocab 200000 --prompt-len 128 --max-model-len 2048 --max-num-seqs 4
-     --gpu-mem 0.85 --engine-args "$ENG" --batch "${B:-1}" --warmup 8 --steps 6 --trace)
+     --gpu-mem 0.85 --engine-args "$SENG" --batch "${B:-1}" --warmup 8 --steps 12 --async-scheduling --trace)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
-  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,2,8,16 --out "$R/ours" \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"full_graph_lengths\": [1, 2, 4, 8, 16], \"fixed_length\": 16}}"
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,16 --out "$R/ours" \
+    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
   run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
   for f in "$R"/*/trace.json "$R"/*/*/trace.json; do [ -f "$f" ] && gzip -f "$f"; done
   for f in "$R"/ours/w*/ops.txt "$R"/plain/ops.txt; do [ -f "$f" ] && { echo "== $f"; sed -n '/Self CUDA/,+30p' "$f" | head -34 | cut -c1-200; }; done

@@ -12,8 +12,10 @@ Writes, per profiled length ``w`` (under ``<out>/w<w>/`` with ``--lengths``, els
 ``ops.txt`` (operators by self time, CPU and CUDA), ``summary.json`` (step times, GPU busy time,
 kernel launches and aten operators per step, the host time of the top operators, the runner's named
 phases) and, with ``--trace``, a Chrome trace. Without ``--speculative-config`` it profiles plain
-decoding, for the side-by-side. Async scheduling is off, so that a step's host and device work are
-the step's own.
+decoding, for the side-by-side. Async scheduling is off by default, so that a step's host and device
+work are the step's own; ``--async-scheduling`` profiles the engine as it serves, host preparation
+overlapping the device's previous step (no sync between steps; ``step_ms`` is then the mean over the
+profiled steps).
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def summarize(averages, steps: int) -> dict:
             "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
 
 
-def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None) -> dict:
+def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None, sync: bool = True) -> dict:
     """``warmup`` untimed steps, then ``steps`` profiled ones; writes ``ops.txt``, ``summary.json``
     (and ``trace.json``) under ``out`` and returns the summary (with ``runner``, the drafter's rounds
-    of the profiled steps: graph replays, captures, eager rounds)."""
+    of the profiled steps: graph replays, captures, eager rounds). ``sync=False`` (async scheduling):
+    no device sync between steps, one time for all of them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,14 +65,19 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runne
     rounds_before = drafter_counts(runner)
     step_ms = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         for _ in range(steps):
-            if cuda:
-                torch.cuda.synchronize()
             t0 = time.perf_counter()
             engine.step()
-            if cuda:
+            if cuda and sync:
                 torch.cuda.synchronize()
             step_ms.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+        if not sync:
+            step_ms = [(time.perf_counter() - start) * 1e3 / steps] * steps
     out.mkdir(parents=True, exist_ok=True)
     averages = prof.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=60)]
@@ -97,6 +105,8 @@ def profile_command(
     warmup: int = typer.Option(8, min=1, help="untimed steps before each profile"),
     steps: int = typer.Option(6, min=1, help="profiled steps"),
     trace: bool = typer.Option(False, help="also write a Chrome trace (large)"),
+    async_scheduling: bool = typer.Option(False, "--async-scheduling", help="profile with async scheduling on, as "
+                                          "the engine serves (no sync between steps)"),
     out: Path = typer.Option(..., help="result directory"),
 ) -> None:
     """A torch.profiler summary of a few decode steps of one engine, per verification length."""
@@ -108,7 +118,7 @@ def profile_command(
     spec = json_object(speculative_config, "speculative-config") or None
     ws = int_list(lengths, "lengths") if lengths else [None]
     t0 = time.perf_counter()
-    llm = LLM(**engine.llm_kwargs(speculative_config=spec, async_scheduling=False,
+    llm = LLM(**engine.llm_kwargs(speculative_config=spec, async_scheduling=async_scheduling,
                                   max_num_seqs=max(batch, engine.max_num_seqs or 1)))
     start_s = round(time.perf_counter() - t0, 1)
     selector = None
@@ -127,8 +137,9 @@ def profile_command(
         elif selector is not None:
             selector.configure(fixed_length=w)
         summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace,
-                                in_process_runner(llm))
-        summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s)
+                                in_process_runner(llm), sync=not async_scheduling)
+        summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s,
+                       async_scheduling=async_scheduling)
         ((out / f"w{w}") if w is not None else out).joinpath("summary.json").write_text(json.dumps(summary, indent=1))
         typer.echo(json.dumps({"w": w, **{k: summary[k] for k in ("mean_step_ms", "gpu_busy_ms_per_step",
                                                                  "kernel_launches_per_step", "aten_ops_per_step",

@@ -249,7 +249,9 @@ def _reset_before_dummy_run(original):
 
 def _routed_at_cut(original):
     def _apply_quant_method(self, hidden_states, router_logits, *args, **kwargs):
-        cut = cut_of_forward()
+        # traced by torch.compile only where vLLM calls the MoE eagerly inside the compiled model (the
+        # CPU and TPU platforms); there the tokens keep their own experts, which changes no output
+        cut = None if torch.compiler.is_compiling() else cut_of_forward()
         if cut is not None:
             router_logits = cut.route(router_logits)
         return original(self, hidden_states, router_logits, *args, **kwargs)
@@ -268,9 +270,9 @@ def patch_device_cut() -> None:
     * ``GPUModelRunner._sample``: the rejection sampler with each row's bonus at its cut;
     * ``GPUModelRunner._dummy_run``: no cut in profiling runs, warm-ups and graph captures;
     * ``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._apply_quant_method``: it routes
-      the step's tokens (inside vLLM's opaque ``moe_forward`` custom op, so the gather runs in eager,
-      piecewise and full-graph execution alike, after expert-parallel dispatch, which these engines
-      do not use)."""
+      the step's tokens (inside vLLM's opaque ``moe_forward`` custom op on GPUs, so the gather runs in
+      eager, piecewise and full-graph execution alike, after expert-parallel dispatch, which these
+      engines do not use; where torch.compile traces the MoE, on the CPU, tokens keep their experts)."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
