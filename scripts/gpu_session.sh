@@ -67,6 +67,7 @@ case "$STAGE" in
 draftround)
   run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches 1,4,16,64 --tune \
     --json "$R/draft_round.json"
+  grep -E "^\||^B=|read bandwidth|FAILED|Error" "$R/draftround.log" | tail -24
   ;;
 kernels)
   run fused python3 -m vllm_hybridspec.cli kernels fused --json "$R/fused_round.json"
@@ -182,7 +183,7 @@ ref32|ref32full|ref32dense)
   HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
   run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \
     --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
-    --engine-args "$ENG" \
+    --max-num-seqs "${SEQS:-8}" --engine-args "$ENG" \
     --config plain=none --config hspec_all="{$HH, \"hybridspec\": {$GK \"fixed_length\": 8}}" \
     --config hspec_sel="{$HH, \"hybridspec\": {$GK \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
     --out "$R/identity-$kind.json"
