@@ -17,6 +17,6 @@ export HS_CACHE=/tmp/hs-cache
 export VLLM_CACHE_ROOT=$HS_CACHE/vllm TORCHINDUCTOR_CACHE_DIR=$HS_CACHE/inductor TRITON_CACHE_DIR=$HS_CACHE/triton
 mkdir -p $HS_CACHE
 if ls .devcache/c[0-9][0-9] >/dev/null 2>&1 && [ ! -e $HS_CACHE/.restored ]; then
-  cat .devcache/c[0-9][0-9] | tar xz -C $HS_CACHE && touch $HS_CACHE/.restored \
+  cat .devcache/c[0-9][0-9] | tar xJ -C $HS_CACHE && touch $HS_CACHE/.restored \
     && echo "caches restored: $(du -sh $HS_CACHE | cut -f1)"
 fi

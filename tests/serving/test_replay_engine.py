@@ -18,6 +18,7 @@ import torch
 from vllm import SamplingParams
 
 from vllm_hybridspec.engine.length.capture import scheduled_draft_counts
+from vllm_hybridspec.engine.length.cut import NO_CUT, cut_of
 from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
@@ -134,10 +135,13 @@ class RoundLog:
             after(output_token_ids, scheduler_output)
             kept = (output_token_ids != -1).sum(dim=1).tolist()
             index = runner.input_batch.req_id_to_index
+            cut = cut_of(runner)  # the step verified min(scheduled, w - 1) drafts of each row
+            w = cut.w[: len(kept)].tolist() if cut is not None and cut.active else [NO_CUT] * len(kept)
             verified = {}
             for req_id, n in scheduled_draft_counts(scheduler_output).items():
-                if n and index.get(req_id, len(kept)) < len(kept):
-                    verified[req_id] = (n, kept[index[req_id]] - 1)
+                row = index.get(req_id, len(kept))
+                if row < len(kept) and min(n, w[row] - 1) > 0:
+                    verified[req_id] = (min(n, w[row] - 1), kept[row] - 1)
                     self.prompt_of[req_id] = tuple(runner.requests[req_id].prompt_token_ids)
             self.events.append(("verify", verified))
 
@@ -145,7 +149,7 @@ class RoundLog:
         runner._update_states_after_model_execute = logged_after
 
     def rounds(self) -> list[tuple]:
-        """``(prompt, scheduled drafts, accepted, planned accepted, planned verified)`` per verified
+        """``(prompt, verified drafts, accepted, planned accepted, planned verified)`` per verified
         round, with the plan of the step that drafted it (``None`` where there was none)."""
         plan: dict = {}
         out = []
@@ -261,9 +265,13 @@ def test_replay_with_the_length_policy(target_dir, hspec_dir, replay_setup, tmp_
     lengths = proposer.length_selector.stats()["rows_at_length"]
     print(f"replay + policy: vLLM (drafts, draft tokens, accepted) {counters}; proposer {stats}; "
           f"rows at length w {lengths}")
-    assert counters == (stats["rounds"], stats["draft_tokens"], stats["accepted_planned"]) == (
+    # the rounds verified exactly the planned drafts, cut on the device from the K vLLM scheduled (vLLM
+    # counts those K per row and the cut ones as rejected)
+    verified = int(cut_of(runner_of(llm)).verified_drafts)
+    assert (stats["rounds"], stats["draft_tokens"], stats["accepted_planned"]) == (
         len(rounds), sum(r[1] for r in rounds), sum(r[2] for r in rounds))
-    assert counters[1] < K * counters[0]                   # the policy cut drafts
+    assert verified == stats["draft_tokens"] and counters[2] == stats["accepted_planned"]
+    assert counters[1] == K * counters[0] and verified < counters[1]  # the policy cut drafts
     assert len([w for w, c in lengths.items() if c]) >= 3  # at several lengths
 
 
