@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
 
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
@@ -20,8 +21,45 @@ from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_comman
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
 
+
+
+class OneLineUsageErrors(TyperGroup):
+    """Usage errors (a bad option value, a missing or unknown option) as one line on stderr, exit 2:
+    ``hybridspec bench: error: --num-requests '0': Input should be greater than or equal to 1``.
+    Click's own form is three lines (usage, hint, error) and leaves out the value given."""
+
+    def invoke(self, ctx):
+        argv = [*ctx._protected_args, *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except typer.core._click.exceptions.NoArgsIsHelpError:
+            raise
+        except typer.core._click.exceptions.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            typer.echo(f"{where}: error: {usage_message(e, argv)}", err=True)
+            raise typer.Exit(e.exit_code) from None
+
+
+def usage_message(error, argv: list[str]) -> str:
+    """``error``'s message in one line, with the option's value from ``argv`` where there was one."""
+    exceptions = typer.core._click.exceptions
+    param = getattr(error, "param", None)
+    if isinstance(error, exceptions.MissingParameter) or not isinstance(error, exceptions.BadParameter):
+        return " ".join(error.format_message().split())
+    message = " ".join(error.message.split())
+    if param is None or not getattr(param, "opts", None):
+        return message
+    name = max(param.opts, key=len)
+    given = [v for i, a in enumerate(argv) for v in
+             ([argv[i + 1]] if a in param.opts and i + 1 < len(argv) else
+              [a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[0] in param.opts else [])]
+    got = f" {given[-1]!r}" if given and not getattr(param, "is_flag", False) else ""
+    return f"{name}{got}: {message}"
+
+
 app = typer.Typer(
     name="hybridspec",
+    cls=OneLineUsageErrors,
     help="vllm-hybridspec: fast, exact speculative decoding for hybrid GDN-MoE models in vLLM.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -77,7 +115,7 @@ app.command("replay-record")(replay_record)
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    app(prog_name="hybridspec")
 
 
 if __name__ == "__main__":  # pragma: no cover

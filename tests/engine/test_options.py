@@ -23,7 +23,7 @@ def test_defaults_and_select_follows_policy(tmp_path):
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"selct": True}, r"selct: unknown key, valid keys are policy, select, batched, .* \(got True\)"),
+        ({"selct": True}, r"selct: unknown key \(did you mean 'select'\?\), valid keys are policy, select, batched, .* \(got True\)"),
         ({"select": True}, r'"select": true needs "policy"'),
         ({"fixed_length": 0}, r"fixed_length: Input should be greater than or equal to 1 \(got 0\)"),
         ({"fixed_length": 9}, r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"),
