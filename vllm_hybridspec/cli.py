@@ -75,13 +75,13 @@ def _root() -> None:
 @app.command()
 def demo(
     kind: str = typer.Option("hybrid", help="reference target to serve: hybrid (Qwen3-Next) or dense (Qwen3)"),
-    num_prompts: int = typer.Option(8, help="held-out prompts served"),
-    max_tokens: int = typer.Option(48, help="greedy tokens per prompt"),
+    num_prompts: int = typer.Option(8, min=1, help="held-out prompts served"),
+    max_tokens: int = typer.Option(48, min=1, help="greedy tokens per prompt"),
     serve: bool = typer.Option(True, help="run the vLLM serving part (--no-serve: kernels only)"),
-    max_len: int = typer.Option(16, help="kernel round: verification length u (2..16)"),
-    batch: int = typer.Option(3, help="kernel round: sequences verified together"),
-    layers: int = typer.Option(3, help="kernel round: GDN layers committed in one launch"),
-    seed: int = typer.Option(0),
+    max_len: int = typer.Option(16, min=2, max=16, help="kernel round: verification length u (2..16)"),
+    batch: int = typer.Option(3, min=1, help="kernel round: sequences verified together"),
+    layers: int = typer.Option(3, min=1, help="kernel round: GDN layers committed in one launch"),
+    seed: int = typer.Option(0, min=0),
 ) -> None:
     """Serve a reference model through vLLM with its H-Spec drafter and check the output equals plain
     decoding; then verify and commit one GDN round with the kernels against the reference."""
