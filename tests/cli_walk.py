@@ -48,7 +48,7 @@ def options() -> list[Option]:
                 continue
             info = param.type_descriptor.parameter_info
             is_option = param.param_type_name == "option"
-            name = max(param.opts, key=len) if is_option else param.name.upper()
+            name = next(o for o in param.opts if o.startswith("--")) if is_option else param.name.upper()
             found.append(Option(path, name, param.type_descriptor.annotation, bool(getattr(param, "is_flag", False)),
                                 getattr(info, "min", None), getattr(info, "max", None), bool(param.required)))
     return found

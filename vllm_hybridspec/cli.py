@@ -49,7 +49,7 @@ def usage_message(error, argv: list[str]) -> str:
     message = " ".join(error.message.split())
     if param is None or not getattr(param, "opts", None):
         return message
-    name = max(param.opts, key=len)
+    name = next((o for o in param.opts if o.startswith("--")), param.opts[0])
     given = [v for i, a in enumerate(argv) for v in
              ([argv[i + 1]] if a in param.opts and i + 1 < len(argv) else
               [a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[0] in param.opts else [])]

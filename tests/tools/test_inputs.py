@@ -295,3 +295,58 @@ def test_a_compare_result_that_fails_to_write_keeps_the_earlier_file(tmp_path, m
                         [], out)
     assert out.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.json"]
+
+
+def test_input_files_of_the_other_commands(tmp_path):
+    missing = tmp_path / "none.json"
+    assert refused_line(invoke("compare-report", missing)) == (
+        f"{missing}: not a hybridspec compare result (FileNotFoundError: [Errno 2] No such file or directory: "
+        f"'{missing}')")
+    assert refused_line(invoke("kernels", "render", missing)) == f"run_json: file '{missing}' does not exist."
+    assert refused_line(invoke("kernels", "render", tmp_path)) == f"run_json: file '{tmp_path}' is a directory."
+    assert refused_line(invoke("calibrate", "time-selector", "--policy", missing)) == (
+        f"policy file '{missing}' does not exist")
+    assert refused_line(invoke("calibrate", "stats", "--records", missing)) == f"records file '{missing}' does not exist"
+    assert refused_line(invoke("calibrate", "stats", "--records", tmp_path)) == (
+        f"records file '{tmp_path}' is a directory, not a file")
+    assert refused_line(invoke("simulate", "--records", missing, "--policy", missing)) == (
+        f"policy file '{missing}' does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kernels", "compare", "--shape", "40b"], "--shape must be one of 35b, tiny, got '40b'"),
+    (["kernels", "fused", "--shape", "tiny", "--lengths", "17"], "--lengths must be in 1..16, got '17'"),
+    (["calibrate", "fit", "--records", "r.jsonl", "--costs", "c.json", "--out", "p.json", "--min-length", "3"],
+     "--min-length '3': Input should be less than or equal to 2"),
+    (["calibrate", "synth", "--out", "r.jsonl", "--profile", "paper-dflash"], None),
+    (["train", "--config", "none.yaml"], "recipe 'none.yaml' does not exist"),
+])
+def test_checks_that_other_modules_own(tmp_path, monkeypatch, args, message):
+    """Checks of the kernels tools (outside this change) and of the policy commands, through the one-line
+    usage errors of the root command."""
+    monkeypatch.chdir(tmp_path)
+    line = refused_line(invoke(*args))
+    if message is None:
+        assert line.startswith("unknown profile 'paper-dflash'")
+    else:
+        assert line == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path):
+    """--dataset names a `datasets` dataset; offline (as here) or misspelled, it is one line, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    for command in (["bench", "--url", "http://127.0.0.1:9"], ["replay-record", "--model", DENSE]):
+        run = subprocess.run([sys.executable, "-m", "vllm_hybridspec.cli", *command, "--dataset", "nosuch/thing",
+                              "-o", str(tmp_path / "r.json")], capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 2, run.stderr
+        line = run.stderr.strip().splitlines()[-1]
+        assert line.endswith("error: Dataset 'nosuch/thing' (train) could not be loaded (Couldn't reach 'nosuch/thing' "
+                             "on the Hub (OfflineModeIsEnabled)); expected a `datasets` name (or use --prompts FILE).")
+        assert "Traceback" not in run.stderr
+    assert list(tmp_path.iterdir()) == []
