@@ -106,6 +106,8 @@ SOAK = [
     (["--seed", "-3"], "--seed -3 is not valid; expected an integer >= 0."),
     (["--url", "ftp://host"], "--url 'ftp://host' is not valid; expected http://HOST[:PORT] or https://HOST[:PORT], "
                               "e.g. http://127.0.0.1:8000."),
+    (["--serve", "vllm serve m --port '8001"], "--serve \"vllm serve m --port '8001\" is not a command line (No "
+                                              "closing quotation); quote it as a shell would."),
 ]
 
 
@@ -118,9 +120,18 @@ def test_soak_refuses_a_bad_option_before_starting(tmp_path, prompts, args, mess
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
 
 
-def test_soak_refuses_an_unwritable_result_path(tmp_path, prompts):
-    result = CliRunner().invoke(app, ["soak", "--url", UNREACHABLE, "--prompts", str(prompts), "-o", str(tmp_path)])
-    assert refused_line(result, "soak") == f"--out '{tmp_path}' is a directory; give the path of a file to write."
+def test_soak_refuses_an_unwritable_result_path_and_unreadable_prompts(tmp_path, prompts):
+    def refusal(*args) -> str:
+        return refused_line(CliRunner().invoke(app, ["soak", "--url", UNREACHABLE, *map(str, args)]), "soak")
+
+    assert refusal("--prompts", prompts, "-o", tmp_path) == (f"--out '{tmp_path}' is a directory; give the path of a "
+                                                            "file to write.")
+    out = tmp_path / "s.json"
+    assert refusal("--prompts", tmp_path / "none.jsonl", "-o", out) == (
+        f"Prompt file {tmp_path / 'none.jsonl'} does not exist; expected a JSONL file of prompts.")
+    assert refusal("--prompts", prompts, "--prompt-field", "text", "-o", out) == (
+        f"{prompts}:1 has no field 'text' (fields: ['prompt']); pick one with --prompt-field.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
 
 
 def _result(tmp_path, name="a"):

@@ -92,7 +92,7 @@ def test_every_number_given_as_text_is_refused_in_one_line(option):
 # the engine commands: (command, what each needs besides the engine options to get past parsing)
 ENGINE_COMMANDS = {
     "compare": ["--config", "plain=none", "--random-prompts", "--out", "{tmp}/c.json"],
-    "evaluate": ["--speculative-config", "{}", "--random-prompts", "--out-dir", "{tmp}/e"],
+    "evaluate": ["--speculative-config", "{}", "--modes", "plain,all", "--random-prompts", "--out-dir", "{tmp}/e"],
     "profile": ["--out", "{tmp}/p"],
     "replay-record": ["--prompts", "{tmp}/none.jsonl", "--out", "{tmp}/r.jsonl"],
     "spec-steps": ["--random-prompts", "--out", "{tmp}/s.json"],
@@ -137,8 +137,8 @@ def test_engine_args_keys_are_vllm_keyword_arguments(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["compare", "evaluate", "check compiled-vs-eager", "calibrate capture",
-                                     "calibrate costs"])
+@pytest.mark.parametrize("command", ["compare", "evaluate", "spec-steps", "check compiled-vs-eager",
+                                     "calibrate capture", "calibrate costs"])
 def test_prompt_options_of_the_engine_commands(tmp_path, command):
     extra = [a.replace("{tmp}", str(tmp_path)) for a in ENGINE_COMMANDS[command] if a != "--random-prompts"]
     base = [*command.split(), "--model", DENSE, *extra]
@@ -160,7 +160,8 @@ def test_prompt_options_of_the_engine_commands(tmp_path, command):
 # (command, output option, "file" or "dir", other arguments, whether missing directories above are made)
 OUTPUTS = [
     ("compare", "--out", "file", ["--model", DENSE, "--config", "plain=none", "--random-prompts"], False),
-    ("evaluate", "--out-dir", "dir", ["--model", DENSE, "--speculative-config", "{}", "--random-prompts"], True),
+    ("evaluate", "--out-dir", "dir", ["--model", DENSE, "--speculative-config", "{}", "--modes", "plain",
+                                      "--random-prompts"], True),
     ("profile", "--out", "dir", ["--model", DENSE], True),
     ("replay-record", "--out", "file", ["--model", DENSE, "--prompts", "{tmp}/p.jsonl"], False),
     ("calibrate capture", "--out", "file", ["--model", DENSE, "--speculative-config", '{"num_speculative_tokens": 3}',
@@ -203,7 +204,8 @@ def test_output_paths_are_checked_before_any_work(tmp_path, command, option, kin
 
 
 def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
-    base = ["evaluate", "--model", DENSE, "--speculative-config", "{}", "--random-prompts", "--out-dir", tmp_path / "e"]
+    base = ["evaluate", "--model", DENSE, "--speculative-config", "{}", "--modes", "plain", "--random-prompts",
+            "--out-dir", tmp_path / "e"]
     for option, what in (("--records", "round records, JSONL (hybridspec calibrate capture)"),
                          ("--policy", "a policy file (hybridspec calibrate fit)"),
                          ("--reference", "continuations JSONL (hybridspec replay-record)")):
@@ -259,8 +261,33 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
       "{tmp}/c.json"], "--sweep-lengths must be comma-separated positive integers, got '2,x'"),
     (["compare", "--model", DENSE, "--config", "a=none", "--sweep-batches", "0", "--random-prompts", "--out",
       "{tmp}/c.json"], "--sweep-batches must be comma-separated positive integers, got '0'"),
-    (["evaluate", "--model", DENSE, "--speculative-config", "[1]", "--random-prompts", "--out-dir", "{tmp}/e"],
+    (["evaluate", "--model", DENSE, "--speculative-config", "[1]", "--modes", "plain", "--random-prompts",
+      "--out-dir", "{tmp}/e"], "--speculative-config must be a JSON object, got '[1]'"),
+    (["evaluate", "--model", DENSE, "--speculative-config", "{}", "--modes", "plain,fast", "--random-prompts",
+      "--out-dir", "{tmp}/e"], "--modes 'plain,fast': unknown modes ['fast']; modes are plain, all, sel, sel-nogate, "
+                               "sel-batched"),
+    (["evaluate", "--model", DENSE, "--speculative-config", "{}", "--random-prompts", "--out-dir", "{tmp}/e"],
+     "--modes 'plain,all,sel,sel-nogate,sel-batched': the 'sel' modes need --records (to fit a policy) or --policy"),
+    (["evaluate", "--model", DENSE, "--speculative-config", "{}", "--modes", "plain", "--lengths", "0",
+      "--random-prompts", "--out-dir", "{tmp}/e"], "--lengths must be comma-separated positive integers, got '0'"),
+    (["evaluate", "--model", DENSE, "--speculative-config", "{}", "--modes", "plain", "--batch-sizes", "x",
+      "--random-prompts", "--out-dir", "{tmp}/e"], "--batch-sizes must be comma-separated positive integers, got 'x'"),
+    (["spec-steps", "--model", DENSE, "--speculative-config", "[1]", "--random-prompts", "--out", "{tmp}/s.json"],
      "--speculative-config must be a JSON object, got '[1]'"),
+    (["spec-steps", "--model", DENSE, "--lengths", "1,0", "--random-prompts", "--out", "{tmp}/s.json"],
+     "--lengths must be comma-separated positive integers, got '1,0'"),
+    (["spec-steps", "--model", DENSE, "--batch-sizes", "-4", "--random-prompts", "--out", "{tmp}/s.json"],
+     "--batch-sizes must be comma-separated positive integers, got '-4'"),
+    (["calibrate", "costs", "--model", DENSE, "--speculative-config", "{}", "--random-prompts", "--out",
+      "{tmp}/c.json"], "--speculative-config needs num_speculative_tokens: '{}'"),
+    (["calibrate", "costs", "--model", DENSE, "--plain", "--lengths", "2,0", "--random-prompts", "--out",
+      "{tmp}/c.json"], "--lengths must be positive integers, got '2,0'"),
+    (["replay-record", "--model", DENSE, "--prompts", "{tmp}/none.jsonl", "--out", "{tmp}/r.jsonl"],
+     "Prompt file {tmp}/none.jsonl does not exist; expected a JSONL file of prompts."),
+    (["kernels", "compare", "--lengths", "17"], "--lengths must be in 1..16, got '17'"),
+    (["kernels", "compare", "--batches", "0"], "--batches must be comma-separated positive integers, got '0'"),
+    (["kernels", "fused", "--batches", "1,x"], "--batches must be comma-separated positive integers, got '1,x'"),
+    (["kernels", "profile", "--shape", "7b"], "--shape must be one of 35b, tiny, got '7b'"),
     (["profile", "--model", DENSE, "--speculative-config", "{", "--out", "{tmp}/p"],
      "--speculative-config is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
      "(char 1)): '{'"),
@@ -332,6 +359,15 @@ def test_checks_that_other_modules_own(tmp_path, monkeypatch, args, message):
     else:
         assert line == message
     assert list(tmp_path.iterdir()) == []
+
+
+def test_replay_record_reads_its_prompts_as_the_benchmark_does(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2]}\n')
+    line = refused_line(invoke("replay-record", "--model", DENSE, "--prompts", prompts, "--prompt-field", "text",
+                               "--out", tmp_path / "r.jsonl"))
+    assert line == f"{prompts}:1 has no field 'text' (fields: ['prompt']); pick one with --prompt-field."
+    assert [p.name for p in tmp_path.iterdir()] == ["p.jsonl"]
 
 
 def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path):

@@ -336,3 +336,43 @@ def test_data_capture_that_fails_midway_leaves_no_data_folder(tmp_path, tiny_tar
     assert calls["n"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["old.txt"]
+
+
+def recipe_fields(model=None, prefix: str = "") -> list[tuple[str, object]]:
+    """``(dotted path, annotation)`` of every leaf field of the recipe schema."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from vllm_hybridspec.train.recipe import Recipe
+
+    model = model or Recipe
+    found = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        sub = [a for a in (field.annotation, *typing.get_args(field.annotation))
+               if isinstance(a, type) and issubclass(a, BaseModel)]
+        found += recipe_fields(sub[0], f"{path}.") if sub else [(path, field.annotation)]
+    return found
+
+
+RECIPE_FIELDS = recipe_fields()
+
+
+@pytest.mark.parametrize("path, annotation", RECIPE_FIELDS, ids=[p for p, _ in RECIPE_FIELDS])
+def test_every_recipe_field_refuses_a_value_of_the_wrong_type(tmp_path, path, annotation):
+    """A mapping where a scalar or list belongs (the commonest slip: a key indented one level too deep)
+    is refused naming the field; for text fields a number is refused (types are not coerced)."""
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.train.recipe import Recipe
+
+    recipe = recipe_dict(tmp_path)
+    if path.startswith("target.name_or_path") or path == "target.trust_remote_code":
+        recipe["target"] = {"name_or_path": "some/model"}
+    bad = 7 if annotation in (str, str | None) else {"nested": 1}
+    config = write_recipe(tmp_path, set_key(recipe, path, bad))
+    with pytest.raises(InputError) as error:
+        Recipe.from_yaml(config)
+    message = str(error.value)
+    assert message.startswith(f"{config}: field '{path}': "), message
+    assert "\n" not in message and ("Input should be" in message or "got 7" in message), message

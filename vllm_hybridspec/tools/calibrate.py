@@ -146,6 +146,7 @@ def costs(
         raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
                               "--speculative-config and excludes --plain"))
     batches = numbers(batch_sizes, "batch-sizes")
+    ws = numbers(lengths, "lengths")
     token_prompts = _calibration_prompts(engine.model, prompts, max(batches))
     if len(token_prompts) < max(batches):
         raise fail(ValueError(f"--prompts {str(prompts.prompts)!r} has {len(token_prompts)} prompts; "
@@ -160,7 +161,7 @@ def costs(
         bar.set_postfix_str(label)
 
     try:
-        cost_file, runs = measure_costs(engine.model, spec, numbers(lengths, "lengths"), batches, token_prompts,
+        cost_file, runs = measure_costs(engine.model, spec, ws, batches, token_prompts,
                                         steps, warmup, engine.llm_kwargs(), plain, progress, plain_gated=plain_gated)
     except ValueError as e:
         bar.close()

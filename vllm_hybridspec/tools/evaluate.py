@@ -280,6 +280,12 @@ def evaluate_command(
     selected lengths, all on one engine start."""
     if records is not None and policy is not None:
         raise typer.BadParameter("give --records (fit a policy) or --policy (use one), not both")
+    unknown = [m for m in modes.split(",") if m and m not in MODES]
+    if unknown or not modes.strip(","):
+        raise typer.BadParameter(f"--modes {modes!r}: {'unknown modes ' + str(unknown) if unknown else 'no mode'}; "
+                                 f"modes are {', '.join(MODES)}")
+    if any(m.startswith("sel") for m in modes.split(",")) and records is None and policy is None:
+        raise typer.BadParameter(f"--modes {modes!r}: the 'sel' modes need --records (to fit a policy) or --policy")
     input_file(records, "--records", "round records, JSONL (hybridspec calibrate capture)")
     input_file(policy, "--policy", "a policy file (hybridspec calibrate fit)")
     input_file(reference, "--reference", "continuations JSONL (hybridspec replay-record)")
