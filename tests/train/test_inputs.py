@@ -376,3 +376,51 @@ def test_every_recipe_field_refuses_a_value_of_the_wrong_type(tmp_path, path, an
     message = str(error.value)
     assert message.startswith(f"{config}: field '{path}': "), message
     assert "\n" not in message and ("Input should be" in message or "got 7" in message), message
+
+
+def recipe_bounds() -> list[tuple[str, float, str]]:
+    """``(dotted path, a value just outside a declared bound, the relation pydantic names)`` for every
+    bounded number of the recipe schema."""
+    import dataclasses
+    import typing
+
+    import annotated_types as at
+    from pydantic import BaseModel
+
+    from vllm_hybridspec.train.recipe import Recipe
+
+    def field(path: str):
+        model = Recipe
+        *head, last = path.split(".")
+        for part in head:
+            ann = model.model_fields[part].annotation
+            model = next(a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel))
+        return model.model_fields[last]
+
+    found = []
+    for path, annotation in RECIPE_FIELDS:
+        f = field(path)
+        is_int = int in (annotation, *typing.get_args(annotation))
+        step = 1 if is_int else 0.5
+        for m in f.metadata:
+            kinds = {at.Ge: (-step, "greater than or equal to"), at.Gt: (0, "greater than"),
+                     at.Le: (step, "less than or equal to"), at.Lt: (0, "less than")}
+            for cls, (delta, relation) in kinds.items():
+                if isinstance(m, cls):
+                    bound = getattr(m, dataclasses.fields(m)[0].name)
+                    found.append((path, bound + delta, f"{relation} {bound}"))
+    return found
+
+
+RECIPE_BOUNDS = recipe_bounds()
+
+
+@pytest.mark.parametrize("path, value, relation", RECIPE_BOUNDS, ids=[f"{p}={v}" for p, v, _ in RECIPE_BOUNDS])
+def test_every_recipe_bound_is_enforced(tmp_path, path, value, relation):
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.train.recipe import Recipe
+
+    config = write_recipe(tmp_path, set_key(recipe_dict(tmp_path), path, value))
+    with pytest.raises(InputError) as error:
+        Recipe.from_yaml(config)
+    assert str(error.value) == f"{config}: field '{path}': Input should be {relation} (got {value!r})"
