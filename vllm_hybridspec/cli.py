@@ -5,6 +5,11 @@ from __future__ import annotations
 import typer
 from typer.core import TyperGroup
 
+try:  # typer >= 0.29 vendors click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_errors
+
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
@@ -22,19 +27,18 @@ from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
 
 
-
 class OneLineUsageErrors(TyperGroup):
     """Usage errors (a bad option value, a missing or unknown option) as one line on stderr, exit 2:
     ``hybridspec bench: error: --num-requests '0': Input should be greater than or equal to 1``.
     Click's own form is three lines (usage, hint, error) and leaves out the value given."""
 
     def invoke(self, ctx):
-        argv = [*ctx._protected_args, *ctx.args]
+        argv = [*getattr(ctx, "_protected_args", getattr(ctx, "protected_args", [])), *ctx.args]
         try:
             return super().invoke(ctx)
-        except typer.core._click.exceptions.NoArgsIsHelpError:
+        except click_errors.NoArgsIsHelpError:
             raise
-        except typer.core._click.exceptions.UsageError as e:
+        except click_errors.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else ctx.command_path
             typer.echo(f"{where}: error: {usage_message(e, argv)}", err=True)
             raise typer.Exit(e.exit_code) from None
@@ -42,9 +46,8 @@ class OneLineUsageErrors(TyperGroup):
 
 def usage_message(error, argv: list[str]) -> str:
     """``error``'s message in one line, with the option's value from ``argv`` where there was one."""
-    exceptions = typer.core._click.exceptions
     param = getattr(error, "param", None)
-    if isinstance(error, exceptions.MissingParameter) or not isinstance(error, exceptions.BadParameter):
+    if isinstance(error, click_errors.MissingParameter) or not isinstance(error, click_errors.BadParameter):
         return " ".join(error.format_message().split())
     message = " ".join(error.message.split())
     if param is None or not getattr(param, "opts", None):
@@ -63,7 +66,7 @@ app = typer.Typer(
     help="vllm-hybridspec: fast, exact speculative decoding for hybrid GDN-MoE models in vLLM.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # usage errors as one plain line ("Error: Invalid value: ..."), not a wrapped panel
+    rich_markup_mode=None,  # plain help text, not rich panels
 )
 
 
