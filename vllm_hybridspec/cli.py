@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.29 vendors click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_errors
 
 from vllm_hybridspec.bench.cli import bench, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
@@ -20,12 +26,47 @@ from vllm_hybridspec.tools.spec_steps import spec_steps, spec_steps_table_comman
 from vllm_hybridspec.train.cli import train
 from vllm_hybridspec.train.reference.cli import models
 
+
+class OneLineUsageErrors(TyperGroup):
+    """Usage errors (a bad option value, a missing or unknown option) as one line on stderr, exit 2:
+    ``hybridspec bench: error: --num-requests '0': Input should be greater than or equal to 1``.
+    Click's own form is three lines (usage, hint, error) and leaves out the value given."""
+
+    def invoke(self, ctx):
+        argv = [*getattr(ctx, "_protected_args", getattr(ctx, "protected_args", [])), *ctx.args]
+        try:
+            return super().invoke(ctx)
+        except click_errors.NoArgsIsHelpError:
+            raise
+        except click_errors.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else ctx.command_path
+            typer.echo(f"{where}: error: {usage_message(e, argv)}", err=True)
+            raise typer.Exit(e.exit_code) from None
+
+
+def usage_message(error, argv: list[str]) -> str:
+    """``error``'s message in one line, with the option's value from ``argv`` where there was one."""
+    param = getattr(error, "param", None)
+    if isinstance(error, click_errors.MissingParameter) or not isinstance(error, click_errors.BadParameter):
+        return " ".join(error.format_message().split())
+    message = " ".join(error.message.split())
+    if param is None or not getattr(param, "opts", None):
+        return message
+    name = next((o for o in param.opts if o.startswith("--")), param.opts[0])
+    given = [v for i, a in enumerate(argv) for v in
+             ([argv[i + 1]] if a in param.opts and i + 1 < len(argv) else
+              [a.split("=", 1)[1]] if "=" in a and a.split("=", 1)[0] in param.opts else [])]
+    got = f" {given[-1]!r}" if given and not getattr(param, "is_flag", False) else ""
+    return f"{name}{got}: {message}"
+
+
 app = typer.Typer(
     name="hybridspec",
+    cls=OneLineUsageErrors,
     help="vllm-hybridspec: fast, exact speculative decoding for hybrid GDN-MoE models in vLLM.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # usage errors as one plain line ("Error: Invalid value: ..."), not a wrapped panel
+    rich_markup_mode=None,  # plain help text, not rich panels
 )
 
 
@@ -37,13 +78,13 @@ def _root() -> None:
 @app.command()
 def demo(
     kind: str = typer.Option("hybrid", help="reference target to serve: hybrid (Qwen3-Next) or dense (Qwen3)"),
-    num_prompts: int = typer.Option(8, help="held-out prompts served"),
-    max_tokens: int = typer.Option(48, help="greedy tokens per prompt"),
+    num_prompts: int = typer.Option(8, min=1, help="held-out prompts served"),
+    max_tokens: int = typer.Option(48, min=1, help="greedy tokens per prompt"),
     serve: bool = typer.Option(True, help="run the vLLM serving part (--no-serve: kernels only)"),
-    max_len: int = typer.Option(16, help="kernel round: verification length u (2..16)"),
-    batch: int = typer.Option(3, help="kernel round: sequences verified together"),
-    layers: int = typer.Option(3, help="kernel round: GDN layers committed in one launch"),
-    seed: int = typer.Option(0),
+    max_len: int = typer.Option(16, min=2, max=16, help="kernel round: verification length u (2..16)"),
+    batch: int = typer.Option(3, min=1, help="kernel round: sequences verified together"),
+    layers: int = typer.Option(3, min=1, help="kernel round: GDN layers committed in one launch"),
+    seed: int = typer.Option(0, min=0),
 ) -> None:
     """Serve a reference model through vLLM with its H-Spec drafter and check the output equals plain
     decoding; then verify and commit one GDN round with the kernels against the reference."""
@@ -77,7 +118,7 @@ app.command("replay-record")(replay_record)
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    app(prog_name="hybridspec")
 
 
 if __name__ == "__main__":  # pragma: no cover

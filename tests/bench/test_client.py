@@ -116,9 +116,11 @@ def test_a_server_that_goes_away_mid_bench_is_one_error_line(tmp_path):
 
 
 def test_a_result_path_that_cannot_be_written_is_one_error_line(tmp_path):
+    """Refused before any request (exit 2, as every bad option); a path that turns bad later is exit 1."""
     (tmp_path / "taken").mkdir()
     with StubServer() as server:
         run = _bench_cli(server, tmp_path, tmp_path / "taken", "--concurrency", "1", "--num-requests", "2")
-    assert run.exit_code == 1
-    assert run.stderr == f"hybridspec bench: error: could not write {tmp_path / 'taken'}: Is a directory\n"
+    assert run.exit_code == 2
+    assert run.stderr == (f"hybridspec bench: error: --out '{tmp_path / 'taken'}' is a directory; give the path "
+                          "of a file to write.\n")
     assert server.completions == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "taken"]

@@ -4,6 +4,7 @@ value, and carried to the workers in additional_config."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,7 @@ def test_defaults_and_select_follows_policy(tmp_path):
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"selct": True}, r"selct: unknown key, valid keys are policy, select, batched, .* \(got True\)"),
+        ({"selct": True}, r"selct: unknown key \(did you mean 'select'\?\), valid keys are policy, select, batched, .* \(got True\)"),
         ({"select": True}, r'"select": true needs "policy"'),
         ({"fixed_length": 0}, r"fixed_length: Input should be greater than or equal to 1 \(got 0\)"),
         ({"fixed_length": 9}, r"fixed_length=9 exceeds num_speculative_tokens \+ 1 = 8"),
@@ -70,3 +71,55 @@ def test_capture_is_accepted_with_an_existing_directory(tmp_path):
     options = parse_options({"capture": str(tmp_path / "records.jsonl")}, 7)
     assert options.capture == str(tmp_path / "records.jsonl")
     assert not options.select and options.fixed_length is None
+
+def test_capture_paths_that_cannot_be_written_are_refused_at_config_time(tmp_path, monkeypatch):
+    """The workers open the capture file at start-up; what would fail there is refused here, in one line
+    (on main 8c095d8 an existing directory passed this check and crashed the engine at start-up)."""
+    def refusal(capture) -> str:
+        with pytest.raises(ValueError) as error:
+            parse_options({"capture": str(capture)}, 7)
+        assert "\n" not in str(error.value)
+        return str(error.value)
+
+    assert refusal(tmp_path) == f"hybridspec.capture '{tmp_path}' is a directory; give the path of a file to write"
+    missing = tmp_path / "no-dir" / "r.jsonl"
+    assert refusal(missing) == (f"hybridspec.capture '{missing}': directory '{missing.parent}' does not exist; "
+                                "create it or write elsewhere")
+    (tmp_path / "file").write_text("")
+    below_file = tmp_path / "file" / "r.jsonl"
+    assert refusal(below_file) == f"hybridspec.capture '{below_file}': '{tmp_path / 'file'}' is a file, not a directory"
+    import os
+
+    # root may write anywhere (chmod cannot make a directory unwritable for it): the permission check is
+    # os.access, so that is what this part of the test answers for
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked)
+    assert refusal(locked / "r.jsonl") == (f"hybridspec.capture '{locked / 'r.jsonl'}': directory '{locked}' is not "
+                                           "writable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "locked"]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"captur": "r.jsonl"}, "captur: unknown key (did you mean 'capture'?), valid keys are policy, "),
+    ({"capture": 3}, "capture: Input should be a valid string (got 3)"),
+    ({"batched": True}, '"batched": true needs length selection ("select": true and a "policy")'),
+    ({"full_graph_lengths": [0, 3]}, "hybridspec.full_graph_lengths=[0, 3]: give lengths in "
+                                     "1..num_speculative_tokens + 1 = 8, or true / false"),
+    ({"full_graph_lengths": []}, "hybridspec.full_graph_lengths=[]: give lengths in 1..num_speculative_tokens + 1"),
+    ({"tp_broadcast": 1}, "tp_broadcast: Input should be a valid boolean (got 1)"),
+    ({"drafter_cudagraphs": None}, "drafter_cudagraphs: Input should be a valid boolean (got None)"),
+    ({"full_graph_spec_steps": "no"}, "full_graph_spec_steps: Input should be a valid boolean (got 'no')"),
+    ({"gate": 0}, "gate: Input should be a valid boolean (got 0)"),
+    ({"fixed_length": 3, "capture": "r.jsonl"}, '"capture" verifies every draft token; drop "select"/"fixed_length"'),
+])
+def test_each_option_refuses_a_bad_value_in_one_line(raw, message):
+    with pytest.raises(ValueError) as error:
+        parse_options(raw, 7)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_policy_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError) as error:
+        parse_options({"policy": str(tmp_path)}, 7)
+    assert str(error.value) == f"policy file '{tmp_path}' is a directory, not a file"

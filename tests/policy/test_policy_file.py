@@ -76,7 +76,8 @@ DELETE = object()
     ("min_length", 3, ["min_length"]),
     ("gate", {"0": True}, ["'gate' key 0 is not a batch size"]),
     ("gate", {"4": "sometimes"}, ["gate.4"]),
-    ("extra_field", 1, ["extra_field", "Extra inputs"]),
+    ("extra_field", 1, ["field 'extra_field': unknown key; valid keys here: format, version, draft_len"]),
+    ("cost.curv", [], ["field 'cost.curv': unknown key (did you mean 'curve'?); valid keys here: measured_lengths"]),
 ])
 def test_malformed_policy_is_named(tmp_path, fitted, path, value, words):
     obj = json.loads(fitted.model_dump_json())

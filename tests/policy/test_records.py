@@ -53,7 +53,7 @@ def test_round_trip(tmp_path):
     (good(accepted=1.5), "line 2", ["'accepted'", "integer", "1.5"]),
     (good(truncated="no"), "line 2", ["'truncated'", "boolean"]),
     (good(n_new_l0=[1, -2, 0]), "line 2", ["'n_new_l0'", "entry 1 is -2"]),
-    (good(acepted=1), "line 2", ["'acepted'", "Extra inputs"]),
+    (good(acepted=1), "line 2", ["field 'acepted': unknown key (did you mean 'accepted'?); valid keys here: conf, ent"]),
     (good(conf=[0.9, 0.5], ent=[0.1, 0.2]), "line 2", ["has 2 entries", "D = 3"]),
     (good(p_true=[0.5, 0.6, 0.1]), "line 2", ["'p_true' must be non-increasing"]),
 ])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import shlex
+import urllib.parse
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +37,50 @@ def _concurrencies(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise typer.BadParameter(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,4,16,64,128.")
+        raise typer.BadParameter(f"--concurrency {text!r} is not a comma-separated list of positive integers, "
+                                 "e.g. 1,4,16,64,128.")
     return values
+
+
+def _check_values(command: str, rows) -> None:
+    """``rows`` of ``(option, value, ok, what would be valid)``: the first not ``ok`` (or not a finite
+    number) ends the command with exit status 2 and one line."""
+    for name, value, ok, valid in rows:
+        if not (math.isfinite(value) and ok):
+            _fail(f"{name} {value:g} is not valid; expected {valid}.", 2, command)
+
+
+def _check_server(command: str, url: str | None, serve: str | None) -> None:
+    """--url must be an http(s) URL with a host; --serve a command line shlex can split."""
+    if url is not None:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            _fail(f"--url {url!r} is not valid; expected http://HOST[:PORT] or https://HOST[:PORT], "
+                  f"e.g. {DEFAULT_URL}.", 2, command)
+    if serve is not None:
+        try:
+            argv = shlex.split(serve)
+        except ValueError as e:
+            _fail(f"--serve {serve!r} is not a command line ({e}); quote it as a shell would.", 2, command)
+        if not argv:
+            _fail("--serve is empty; expected a server command line, e.g. 'vllm serve MODEL --port 8000'.", 2,
+                  command)
+
+
+def _check_out(command: str, *paths: Path) -> None:
+    """Result files: not a directory, below a directory that exists or can be made, and writable."""
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.policy.files import check_writable
+
+    for path in paths:
+        try:
+            check_writable(path, "--out", make_parents=True)
+        except InputError as e:
+            _fail(f"{e}.", 2, command)
 
 
 def _switches(values: list[str] | None) -> list[tuple[str, dict]]:
@@ -117,8 +162,9 @@ def bench(
     dataset_split: str = typer.Option("train"),
     prompt_field: str = PROMPT_FIELD,
     concurrency: str = typer.Option("1,4,16,64,128", help="comma-separated client counts C"),
-    num_requests: int = typer.Option(0, help="measured requests per level [default: max(16, 4 C)]"),
-    warmup: int = typer.Option(-1, help="warm-up requests per level, excluded from the statistics [default: C]"),
+    num_requests: int | None = typer.Option(None, min=1, help="measured requests per level [default: max(16, 4 C)]"),
+    warmup: int | None = typer.Option(None, min=0, help="warm-up requests per level, excluded from the statistics "
+                                      "[default: C]"),
     output_len: int = typer.Option(256, help="output tokens per request"),
     eos: bool = typer.Option(False, "--eos", help="stop at EOS (output-len is then a cap) instead of a fixed length"),
     model: str = MODEL,
@@ -140,9 +186,19 @@ def bench(
     switches = _switches(switch)
     if output_len < 1:
         raise typer.BadParameter(f"--output-len must be at least 1, got {output_len}.")
+    _check_values("bench", (("--serve-timeout", serve_timeout, serve_timeout > 0, "a positive number of seconds"),
+                            ("--request-timeout", request_timeout, request_timeout > 0, "a positive number of seconds"),
+                            ("--level-timeout", level_timeout, level_timeout > 0, "a positive number of seconds"),
+                            ("--metrics-interval", metrics_interval, metrics_interval > 0,
+                             "a positive number of seconds")))
+    _check_server("bench", url, serve)
+    outs = [out] if not switches else [out.with_name(f"{out.stem}-{name}{out.suffix or '.json'}")
+                                       for name, _ in switches]
+    _check_out("bench", *outs)
     prompt_list = _load_prompts_or_exit("bench", prompts, dataset, dataset_split, prompt_field)
     base_url = _base_url(url, serve)
-    cfg = BenchConfig(base_url=base_url, concurrencies=levels, num_requests=num_requests, warmup=warmup,
+    cfg = BenchConfig(base_url=base_url, concurrencies=levels, num_requests=num_requests or 0,
+                      warmup=-1 if warmup is None else warmup,
                       output_len=output_len, ignore_eos=not eos, model=model, label=label or out.stem,
                       request_timeout=request_timeout, level_timeout=level_timeout,
                       metrics_interval=metrics_interval, repeats=repeats)
@@ -150,8 +206,8 @@ def bench(
         serve = _with_worker_extension(serve)
     meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list)}
     runs = [(None, {}, out, cfg)] if not switches else [
-        (name, options, out.with_name(f"{out.stem}-{name}{out.suffix or '.json'}"),
-         replace(cfg, label=f"{cfg.label}-{name}")) for name, options in switches]
+        (name, options, path, replace(cfg, label=f"{cfg.label}-{name}"))
+        for (name, options), path in zip(switches, outs)]
     docs, current = [], out
     with _one_line_errors("bench", lambda: current), ExitStack() as stack:
         server = _managed_server(stack, serve, base_url, out, serve_timeout,
@@ -211,7 +267,7 @@ def soak(
     """A closed loop of C clients for --duration seconds, a share of them going away mid-stream; then
     checks no request failed, the idle KV cache drains to 0, and the probes' greedy outputs are
     unchanged. Exit 1 naming the checks that failed."""
-    for name, value, ok, valid in (("--duration", duration, duration > 0, "a positive number of seconds"),
+    _check_values("soak", (("--duration", duration, duration > 0, "a positive number of seconds"),
                                    ("--concurrency", concurrency, concurrency >= 1, "an integer >= 1"),
                                    ("--disconnect-share", disconnect_share, 0 <= disconnect_share <= 1,
                                     "a share between 0 and 1"),
@@ -222,9 +278,13 @@ def soak(
                                    ("--probe-tokens", probe_tokens, probe_tokens >= 1, "an integer >= 1"),
                                    ("--idle-timeout", idle_timeout, idle_timeout >= 0, "a number of seconds >= 0"),
                                    ("--metrics-interval", metrics_interval, metrics_interval > 0,
-                                    "a positive number of seconds")):
-        if not ok:
-            _fail(f"{name} {value:g} is not valid; expected {valid}.", 2, "soak")
+                                    "a positive number of seconds"),
+                                   ("--serve-timeout", serve_timeout, serve_timeout > 0, "a positive number of seconds"),
+                                   ("--request-timeout", request_timeout, request_timeout > 0,
+                                    "a positive number of seconds"),
+                                   ("--seed", seed, seed >= 0, "an integer >= 0")))
+    _check_server("soak", url, serve)
+    _check_out("soak", out)
     prompt_list = _load_prompts_or_exit("soak", prompts, None, "train", prompt_field)
     if len(prompt_list) < probes:
         _fail(f"--probes {probes} needs as many prompts, but {prompts} has {len(prompt_list)}.", 2, "soak")
@@ -262,7 +322,10 @@ def report(
 ) -> None:
     """A markdown table and plots (throughput, latency, KV usage against concurrency) of result files,
     the configurations side by side."""
+    from vllm_hybridspec.policy.files import check_output_dir
+
     try:
+        check_output_dir(out_dir, "--out-dir")
         path = write_report(results, out_dir)
     except (OSError, ValueError) as e:
         typer.echo(f"hybridspec report: error: {e}", err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -59,9 +60,15 @@ def _from_jsonl(path: Path, field: str, limit: int) -> list[Prompt]:
 def _from_dataset(name: str, split: str, field: str, limit: int) -> list[Prompt]:
     from datasets import load_dataset
 
-    rows = load_dataset(name, split=split, streaming=True)
+    try:
+        rows = iter(load_dataset(name, split=split, streaming=True))
+        first = next(rows, None)
+    except Exception as e:  # datasets' errors: many kinds (no such dataset, no network, no such split)
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"Dataset {name!r} ({split}) could not be loaded ({text[:300]}); expected a `datasets` "
+                         "name (or use --prompts FILE).") from None
     prompts: list[Prompt] = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows if first is None else itertools.chain([first], rows)):
         if field not in row:
             raise ValueError(f"Dataset {name!r} ({split}) has no column {field!r} (columns: {sorted(row)}); "
                              "pick one with --prompt-field.")

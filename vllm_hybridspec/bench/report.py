@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from vllm_hybridspec.bench.schema import load_result_json
+from vllm_hybridspec.policy.files import atomic_path, write_text_atomic
 
 
 def load_result(path: Path) -> dict:
@@ -141,8 +142,11 @@ def plot(docs: list[dict], out_dir: Path) -> list[Path]:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:  # matplotlib takes the format from the suffix, which tmp keeps
+            fig.savefig(tmp, dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -165,5 +169,5 @@ def write_report(results: list[Path | str], out_dir: Path) -> Path:
                   + (f"; merged from {', '.join(doc['merged_from'])}" if doc.get("merged_from") else ""))
     md += [""] + [f"![{p.stem}]({p.name})" for p in pngs]
     path = out_dir / "report.md"
-    path.write_text("\n".join(md) + "\n")
+    write_text_atomic(path, "\n".join(md) + "\n")
     return path

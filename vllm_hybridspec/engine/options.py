@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vllm_hybridspec.policy.errors import did_you_mean
+
 ADDITIONAL_CONFIG_KEY = "hybridspec"
 
 
@@ -96,9 +98,11 @@ class HybridSpecOptions(BaseModel):
                 raise ValueError(f"hybridspec.batched=True needs a policy file with a 'batched' section (cost "
                                  f"curves per batch size, from a cost file with 'batched'); {self.policy!r} has none")
         if self.capture is not None:
-            parent = Path(self.capture).expanduser().resolve().parent
-            if not parent.is_dir():
-                raise ValueError(f"hybridspec.capture={self.capture!r}: directory {str(parent)!r} does not exist")
+            from vllm_hybridspec.policy.files import check_writable
+
+            # the workers open it for writing at start-up: a directory, a missing directory above it
+            # or one without write permission would end the engine there, so they end it here
+            check_writable(Path(self.capture).expanduser().resolve(), "hybridspec.capture")  # InputError
 
 
 def vllm_gdn_path_problem(options: HybridSpecOptions | None, num_speculative_tokens: int) -> str | None:
@@ -139,7 +143,7 @@ def validation_problems(error: ValidationError, raw: dict, model: type[BaseModel
         msg = err["msg"].removeprefix("Value error, ")
         key = str(err["loc"][0]) if err["loc"] else ""
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key, valid keys are {', '.join(model.model_fields)}"
+            msg = f"unknown key{did_you_mean(key, model.model_fields)}, valid keys are {', '.join(model.model_fields)}"
         items = [i for i in err["loc"][1:] if isinstance(i, int)]  # inside a list
         msg += f" at item {items[-1]}" if items else ""
         if msg not in by_key.setdefault(key, []):

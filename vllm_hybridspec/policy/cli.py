@@ -41,7 +41,7 @@ def fit(
     records: Path = typer.Option(..., help="capture-run records, JSONL (see docs/policy.md)"),
     costs: Path = typer.Option(..., help="measured costs, JSON (see docs/policy.md)"),
     out: Path = typer.Option(..., help="policy file to write"),
-    min_length: int = typer.Option(2, help="shortest nominal length: 2 (paper) or 1 (no draft token)"),
+    min_length: int = typer.Option(2, min=1, max=2, help="shortest nominal length: 2 (paper) or 1 (no draft token)"),
 ) -> None:
     """Fit acceptance model, cost curve, s, eta, expert tables and the rate rho into a policy file."""
     from .calibrate import fit_policy

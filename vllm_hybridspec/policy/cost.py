@@ -143,7 +143,7 @@ def load_costs(path: str | Path) -> CostFile:
     try:
         return CostFile.model_validate(obj)
     except ValidationError as e:
-        raise describe(e, str(path)) from None
+        raise describe(e, str(path), CostFile) from None
 
 
 @dataclass

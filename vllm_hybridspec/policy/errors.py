@@ -6,7 +6,15 @@ valid; the command line prints it and exits non-zero without a traceback.
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import difflib
+import types
+import typing
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# The pydantic configuration of a schema a user writes by hand (a recipe, its sections): unknown keys
+# refused, types never coerced ("2" is not 2, 1.5 is not an int), NaN and infinities refused.
+USER_FILE = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class InputError(ValueError):
@@ -24,9 +32,57 @@ def field_path(loc: tuple) -> str:
     return out
 
 
-def describe(err: ValidationError, where: str) -> InputError:
+def did_you_mean(key: str, valid) -> str:
+    """`` (did you mean 'max_prompts'?)`` when ``key`` is a near miss of one of ``valid``, else ``""``."""
+    close = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the field at ``loc`` inside ``model`` (through optional fields,
+    lists and dicts), or ``None`` when ``loc`` leaves the models."""
+    annotation = model
+    for part in loc:
+        annotation = _step(annotation, part)
+        if annotation is None:
+            return None
+    return _step(annotation, None)
+
+
+def _step(annotation, part):
+    """The annotation one ``part`` of a location below ``annotation``; ``part=None``: the model
+    ``annotation`` stands for, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if part is None:
+            return annotation
+        field = annotation.model_fields.get(str(part))
+        return None if field is None else field.annotation
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is not type(None) and (found := _step(arg, part)) is not None:
+                return found
+        return None
+    if part is not None and origin in (list, tuple) and args:
+        return args[0]
+    if part is not None and origin is dict and len(args) == 2:
+        return args[1]
+    return None
+
+
+def unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """The message for an unknown key at ``loc``: a near miss and the valid keys of the section."""
+    section = _model_at(model, loc[:-1]) if model is not None else None
+    if section is None:
+        return "unknown key"
+    valid = list(section.model_fields)
+    return f"unknown key{did_you_mean(loc[-1], valid)}; valid keys here: {', '.join(valid)}"
+
+
+def describe(err: ValidationError, where: str, model: type[BaseModel] | None = None) -> InputError:
     """Turn a pydantic error into a one-line ``InputError`` naming the first bad field and its value
-    (and how many more there are), so a command line prints one line per failure."""
+    (and how many more there are), so a command line prints one line per failure.  With ``model``
+    (the validated class) an unknown key is named with its near miss and the valid keys."""
     lines = []
     for e in err.errors(include_url=False):
         msg = e["msg"].removeprefix("Value error, ")
@@ -34,8 +90,11 @@ def describe(err: ValidationError, where: str) -> InputError:
         if e["type"] == "missing":
             lines.append(f"{where}: required field '{path}' is missing")
             continue
+        if e["type"] == "extra_forbidden" and model is not None:
+            lines.append(f"{where}: field '{path}': {unknown_key_message(model, e['loc'])}")
+            continue
         got = e.get("input")
         shown = "" if isinstance(got, dict) or e["type"] == "value_error" else f" (got {got!r:.80})"
         lines.append(f"{where}: field '{path}': {msg}{shown}" if path else f"{where}: {msg}")
-    more = f" (and {len(lines) - 1} more problems)" if len(lines) > 1 else ""
+    more = f" (and {len(lines) - 1} more problem{'s' * (len(lines) > 2)})" if len(lines) > 1 else ""
     return InputError(lines[0] + more)

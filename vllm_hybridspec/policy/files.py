@@ -11,6 +11,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,17 +77,45 @@ def refuse_non_finite(obj, what: str):
     return obj
 
 
-def check_writable(path: str | Path, option: str) -> None:
-    """Refuse an output path that cannot be written, so that a command fails before its slow work."""
+def check_writable(path: str | Path, option: str, make_parents: bool = False) -> None:
+    """Refuse an output path that cannot be written, so that a command fails before its slow work.
+    ``make_parents``: the command creates missing directories, so the nearest existing one must be a
+    writable directory (not a file)."""
     path = Path(path)
     parent = path.parent
     if path.is_dir():
         raise InputError(f"{option} '{path}' is a directory; give the path of a file to write")
-    if not parent.is_dir():
+    if make_parents:
+        parent = existing_ancestor(parent, option, path)
+    elif parent.exists() and not parent.is_dir():
+        raise InputError(f"{option} '{path}': '{parent}' is a file, not a directory")
+    elif not parent.is_dir():
         raise InputError(f"{option} '{path}': directory '{parent}' does not exist; create it or "
                          f"write elsewhere")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{option} '{path}': directory '{parent}' is not writable")
+
+
+def existing_ancestor(directory: Path, option: str, path: Path) -> Path:
+    """The nearest existing directory at or above ``directory`` (where the missing ones would be
+    made); an :class:`InputError` when that is a file."""
+    for here in (directory, *directory.parents):
+        if here.exists():
+            if not here.is_dir():
+                raise InputError(f"{option} '{path}': '{here}' is a file, so no directory can be made "
+                                 f"below it")
+            return here
+    return Path.cwd()
+
+
+def check_output_dir(path: str | Path, option: str) -> None:
+    """Refuse an output directory that is a file or cannot be made or written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{option} '{path}' is a file; give a directory to write into")
+    here = path if path.is_dir() else existing_ancestor(path.parent, option, path)
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise InputError(f"{option} '{path}': directory '{here}' is not writable")
 
 
 @contextmanager
@@ -106,3 +135,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """A temporary directory beside ``path`` that replaces ``path`` (a directory, removed first) when
+    the block completes and is removed when the block raises: ``path`` is whole or as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -215,7 +215,7 @@ def load_policy(path: str | Path) -> PolicyFile:
     try:
         return PolicyFile.model_validate(obj)
     except ValidationError as e:
-        raise describe(e, str(path)) from None
+        raise describe(e, str(path), PolicyFile) from None
 
 
 def save_policy(policy: PolicyFile, path: str | Path) -> None:

@@ -150,7 +150,7 @@ def load_records(path: str | Path) -> list[RoundRecord]:
         try:
             rec = RoundRecord.model_validate(obj)
         except ValidationError as e:
-            raise describe(e, where) from None
+            raise describe(e, where, RoundRecord) from None
         if records and rec.draft_len != records[0].draft_len:
             raise InputError(f"{where}: field 'conf' has {rec.draft_len} entries but earlier "
                              f"rounds have D = {records[0].draft_len}; one file holds one D")

@@ -16,6 +16,8 @@ fit on another machine (``hybridspec calibrate synth`` and ``calibrate fit``) an
 
 from __future__ import annotations
 
+import re
+
 import statistics
 import time
 from pathlib import Path
@@ -128,6 +130,13 @@ def time_selector(
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu"),
 ) -> None:
     """Time one round of length selection (acceptance model + selector [+ routing correction])."""
+    if topk > experts:
+        raise typer.BadParameter(f"--topk {topk} exceeds --experts {experts}")
+    count = torch.cuda.device_count()
+    cuda = re.fullmatch(r"cuda(:(\d+))?", device)
+    if device != "cpu" and not (cuda and int(cuda.group(2) or 0) < count):
+        raise typer.BadParameter(f"--device {device!r} is not a device here ({count} CUDA devices); use cpu"
+                                 + (" or cuda[:N]" if count else ""))
     try:
         pol = (Policy.load(str(policy), device, torch.float32) if policy
                else synthetic_policy(draft_len, fit_rounds, device))
@@ -138,8 +147,6 @@ def time_selector(
         typer.echo(f"hybridspec calibrate time-selector: error: {policy} has draft_len {pol.draft_len}, not "
                    f"--draft-len {draft_len}", err=True)
         raise typer.Exit(2)
-    if topk > experts:
-        raise typer.BadParameter(f"--topk {topk} exceeds --experts {experts}")
     dev = torch.device(device)
     one_round = selection_round(pol, batch, experts, topk, routing, dev)
     if compile:

@@ -5,12 +5,14 @@ turns them into a policy file (``vllm_hybridspec.policy``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import typer
 
 from vllm_hybridspec.policy.cli import calibrate_app, fail
 from vllm_hybridspec.policy.errors import InputError
+from vllm_hybridspec.policy.files import check_writable
 from vllm_hybridspec.tools.engine_args import (
     EngineOptions,
     PromptOptions,
@@ -34,6 +36,9 @@ def capture(
     import os
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _check_out(out)
+    if not math.isfinite(temperature):
+        raise fail(ValueError(f"--temperature {temperature}: expected a finite number >= 0"))
     spec = _speculative_config(speculative_config)
     options = dict(spec.get("hybridspec") or {})
     for key in ("policy", "select", "fixed_length", "batched"):
@@ -72,6 +77,14 @@ def capture(
         typer.echo("warning: the records do not match vLLM's spec-decode counters (a round was missed or counted "
                    "twice); do not fit a policy from them", err=True)
         raise typer.Exit(1)
+
+
+def _check_out(out: Path) -> None:
+    """--out: a file path below a directory that exists or can be made, checked before any engine starts."""
+    try:
+        check_writable(out, "--out", make_parents=True)
+    except InputError as e:
+        raise fail(e) from None
 
 
 def _speculative_config(text: str) -> dict:
@@ -125,6 +138,7 @@ def costs(
             raise fail(ValueError(f"--{name} must be positive integers, got {text!r}"))
         return sorted(set(values))
 
+    _check_out(out)
     spec = None if speculative_config is None else _speculative_config(speculative_config)
     if spec is None and not plain:
         raise fail(ValueError("give --speculative-config (round times) and/or --plain (plain decoding)"))
@@ -132,6 +146,7 @@ def costs(
         raise fail(ValueError("--plain-gated times plain steps in the speculative engine: it needs "
                               "--speculative-config and excludes --plain"))
     batches = numbers(batch_sizes, "batch-sizes")
+    ws = numbers(lengths, "lengths")
     token_prompts = _calibration_prompts(engine.model, prompts, max(batches))
     if len(token_prompts) < max(batches):
         raise fail(ValueError(f"--prompts {str(prompts.prompts)!r} has {len(token_prompts)} prompts; "
@@ -146,7 +161,7 @@ def costs(
         bar.set_postfix_str(label)
 
     try:
-        cost_file, runs = measure_costs(engine.model, spec, numbers(lengths, "lengths"), batches, token_prompts,
+        cost_file, runs = measure_costs(engine.model, spec, ws, batches, token_prompts,
                                         steps, warmup, engine.llm_kwargs(), plain, progress, plain_gated=plain_gated)
     except ValueError as e:
         bar.close()

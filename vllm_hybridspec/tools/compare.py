@@ -29,7 +29,15 @@ from pathlib import Path
 
 import typer
 
-from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, int_list, prompt_options
+from vllm_hybridspec.policy.files import write_text_atomic
+from vllm_hybridspec.tools.engine_args import (
+    EngineOptions,
+    PromptOptions,
+    engine_options,
+    int_list,
+    output_path,
+    prompt_options,
+)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the scheduler's KV config is readable
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -264,8 +272,8 @@ def run_all(configs: list[tuple[str, dict | None]], engine: EngineOptions, setti
                 print(f"[{name}]   at {frame}", flush=True)
         results.append(result)
         if out:
-            Path(out).write_text(json.dumps({"engine": asdict(engine), "settings": asdict(settings),
-                                             "results": results}))
+            write_text_atomic(out, json.dumps({"engine": asdict(engine), "settings": asdict(settings),
+                                               "results": results}))
     return results
 
 
@@ -313,13 +321,14 @@ def compare(
                                int_list(sweep_lengths, "sweep-lengths") if sweep_lengths else None,
                                tuple(int_list(sweep_batches, "sweep-batches")), sweep_steps, sweep_warmup)
     configs = parse_configs(config)
+    output_path(out, "--out", make_parents=False)
     token_prompts = prompts.load(engine.model)
     results = run_all(configs, engine, settings, token_prompts, out)
     typer.echo(summary_table(results, len(token_prompts)))
     written = {"engine": asdict(engine), "settings": asdict(settings), "results": results}
     if logprobs:  # what an identity check of the results needs besides them
         written["prompts"] = [p["prompt_token_ids"] for p in token_prompts]
-    Path(out).write_text(json.dumps(written))
+    write_text_atomic(out, json.dumps(written))
 
 
 compare = prompt_options(engine_options(compare))

@@ -204,9 +204,11 @@ def _release() -> None:
 
 
 def write_costs(costs: dict, runs: dict, out: Path) -> Path:
+    from vllm_hybridspec.policy.files import write_text_atomic
+
     out.parent.mkdir(parents=True, exist_ok=True)
     if "round_ms" in costs:
-        out.write_text(json.dumps(costs, indent=1))
+        write_text_atomic(out, json.dumps(costs, indent=1))
     sidecar = out.with_name(out.stem + ".runs.json")
-    sidecar.write_text(json.dumps(runs, indent=1))
+    write_text_atomic(sidecar, json.dumps(runs, indent=1))
     return sidecar

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,31 @@ def json_object(text: str | None, name: str) -> dict:
     if not isinstance(value, dict):
         raise typer.BadParameter(f"--{name} must be a JSON object, got {text!r}")
     return value
+
+
+def output_path(path: Path | None, option: str, directory: bool = False, make_parents: bool = True) -> None:
+    """An output ``path`` (``None``: not asked for) checked before the command's work:
+    ``typer.BadParameter`` when it is a directory (a file: ``directory=False``) or a file
+    (``directory=True``), lies below a file, or cannot be written."""
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.policy.files import check_output_dir, check_writable
+
+    if path is None:
+        return
+    try:
+        if directory:
+            check_output_dir(path, option)
+        else:
+            check_writable(path, option, make_parents=make_parents)
+    except InputError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def input_file(path: Path | None, option: str, what: str) -> None:
+    """An input ``path`` (``None``: not given) must be a file; ``what`` says what it should hold."""
+    if path is not None and not Path(path).is_file():
+        problem = "is a directory" if Path(path).is_dir() else "does not exist"
+        raise typer.BadParameter(f"{option} '{path}' {problem}; expected {what}")
 
 
 def int_list(text: str, name: str) -> list[int]:
@@ -134,9 +160,9 @@ _ENGINE_OPTIONS = [
     inspect.Parameter("dtype", inspect.Parameter.KEYWORD_ONLY, annotation=str,
                       default=typer.Option("auto", help="model dtype (auto, bfloat16, float32, ...)")),
     inspect.Parameter("max_model_len", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
-                      default=typer.Option(None, help="vLLM's max_model_len")),
+                      default=typer.Option(None, min=1, help="vLLM's max_model_len")),
     inspect.Parameter("max_num_seqs", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
-                      default=typer.Option(None, help="vLLM's max_num_seqs")),
+                      default=typer.Option(None, min=1, help="vLLM's max_num_seqs")),
     inspect.Parameter("gpu_memory_utilization", inspect.Parameter.KEYWORD_ONLY, annotation=float | None,
                       default=typer.Option(None, "--gpu-memory-utilization", "--gpu-mem",
                                            help="vLLM's gpu_memory_utilization")),
@@ -162,7 +188,7 @@ _PROMPT_OPTIONS = [
     inspect.Parameter("vocab", inspect.Parameter.KEYWORD_ONLY, annotation=int,
                       default=typer.Option(1000, min=2, help="random prompts: token-id range")),
     inspect.Parameter("seed", inspect.Parameter.KEYWORD_ONLY, annotation=int,
-                      default=typer.Option(0, help="random prompts: seed")),
+                      default=typer.Option(0, min=0, help="random prompts: seed")),
 ]
 
 
@@ -187,10 +213,55 @@ def _grouped(fn, target: str, params: list[inspect.Parameter], build):
     return command
 
 
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType
+
+
+def check_model(model: str) -> None:
+    """``--model``: a hub id, or a local directory with a ``config.json`` (a path that looks local
+    -- it exists, or starts with ``/``, ``.`` or ``~`` -- must be one)."""
+    path = Path(model).expanduser()
+    if not model.strip():
+        raise typer.BadParameter("--model is empty; give a model directory or a hub id")
+    if path.exists() or model.startswith(("/", ".", "~")):
+        if not path.is_dir():
+            raise typer.BadParameter(f"--model {model!r} {'is a file' if path.exists() else 'does not exist'}; "
+                                     "expected a model directory (with config.json) or a hub id")
+        if not (path / "config.json").is_file():
+            raise typer.BadParameter(f"--model {model!r} has no config.json; expected a model directory or a hub id")
+
+
+def check_engine_args(args: dict) -> None:
+    """``--engine-args`` keys must be ``vllm.LLM`` keyword arguments (``EngineArgs`` fields), which
+    are checked before vLLM starts; their values vLLM checks itself."""
+    if not args:
+        return
+    import dataclasses
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    valid = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+    unknown = sorted(set(args) - valid)
+    if unknown:
+        from vllm_hybridspec.policy.errors import did_you_mean
+
+        raise typer.BadParameter(f"--engine-args key {unknown[0]!r}{did_you_mean(unknown[0], sorted(valid))} is not "
+                                 "a vllm.LLM keyword argument (vllm.engine.arg_utils.EngineArgs fields)")
+
+
 def engine_options(fn):
     """Give ``fn``'s ``engine`` parameter the shared engine options (:class:`EngineOptions`)."""
     def build(engine_args: str, **values) -> EngineOptions:
-        return EngineOptions(engine_args=json_object(engine_args, "engine-args"), **values)
+        check_model(values["model"])
+        if values["dtype"] not in DTYPES:
+            raise typer.BadParameter(f"--dtype {values['dtype']!r} is not one of {', '.join(DTYPES)}")
+        share = values["gpu_memory_utilization"]
+        if share is not None and not (math.isfinite(share) and 0 < share <= 1):
+            raise typer.BadParameter(f"--gpu-memory-utilization {share:g} is not valid; expected a share of the "
+                                     "GPU's memory in (0, 1]")
+        args = json_object(engine_args, "engine-args")
+        check_engine_args(args)
+        return EngineOptions(engine_args=args, **values)
 
     return _grouped(fn, "engine", _ENGINE_OPTIONS, build)
 

@@ -46,13 +46,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the 
 
 import typer  # noqa: E402
 
+from vllm_hybridspec.policy.files import write_text_atomic  # noqa: E402
 from vllm_hybridspec.tools.compare import identical_prompts  # noqa: E402
 from vllm_hybridspec.tools.engine_args import (  # noqa: E402
     EngineOptions,
     PromptOptions,
     engine_options,
+    input_file,
     int_list,
     json_object,
+    output_path,
     prompt_options,
 )
 
@@ -193,13 +196,13 @@ def evaluate(model: str, speculative_config: dict, engine_args: dict, prompts: l
         if expected is not None:
             r["identical_to_plain_engine"] = identical_prompts(r["outputs"], expected)
         result["modes"][mode] = r
-        (out_dir / "evaluate.json").write_text(json.dumps(result))
+        write_text_atomic(out_dir / "evaluate.json", json.dumps(result))
         progress(mode_line(r, result["modes"].get("plain")))
     selector.configure(fixed_length=k + 1)
     drafter = in_process_drafter(llm)
     if hasattr(drafter, "stats"):  # the replay proposer: rounds proposed, requests that left the recording
         result["drafter_stats"] = drafter.stats()
-    (out_dir / "evaluate.json").write_text(json.dumps(result))
+    write_text_atomic(out_dir / "evaluate.json", json.dumps(result))
     return result
 
 
@@ -277,6 +280,16 @@ def evaluate_command(
     selected lengths, all on one engine start."""
     if records is not None and policy is not None:
         raise typer.BadParameter("give --records (fit a policy) or --policy (use one), not both")
+    unknown = [m for m in modes.split(",") if m and m not in MODES]
+    if unknown or not modes.strip(","):
+        raise typer.BadParameter(f"--modes {modes!r}: {'unknown modes ' + str(unknown) if unknown else 'no mode'}; "
+                                 f"modes are {', '.join(MODES)}")
+    if any(m.startswith("sel") for m in modes.split(",")) and records is None and policy is None:
+        raise typer.BadParameter(f"--modes {modes!r}: the 'sel' modes need --records (to fit a policy) or --policy")
+    input_file(records, "--records", "round records, JSONL (hybridspec calibrate capture)")
+    input_file(policy, "--policy", "a policy file (hybridspec calibrate fit)")
+    input_file(reference, "--reference", "continuations JSONL (hybridspec replay-record)")
+    output_path(out_dir, "--out-dir", directory=True)
     try:
         result = evaluate(engine.model, json_object(speculative_config, "speculative-config"), engine.llm_kwargs(),
                           prompts.load(engine.model), out_dir, records=records and str(records),
@@ -289,7 +302,7 @@ def evaluate_command(
         typer.echo(f"hybridspec evaluate: error: {e}", err=True)
         raise typer.Exit(2) from None
     table = summary_markdown(result)
-    (out_dir / "summary.md").write_text(table + "\n")
+    write_text_atomic(out_dir / "summary.md", table + "\n")
     typer.echo(table)
 
 

@@ -97,6 +97,9 @@ def full_shape(
     """Write config-only target, H-Spec and DFlash checkpoints at the Qwen3.6-35B-A3B shape."""
     if layers % 4:
         raise typer.BadParameter(f"--layers {layers} is not a multiple of 4 (full_attention_interval = 4)")
+    from vllm_hybridspec.tools.engine_args import output_path
+
+    output_path(out, "--out", directory=True)
     target = write_target(out / "target", {"num_hidden_layers": layers})
     write_hspec(target, out / "hspec", hspec_layers, block_size)
     write_dflash(target, out / "dflash", dflash_layers)

@@ -27,6 +27,16 @@ def plot_rounds(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from vllm_hybridspec.policy.cli import PLOT_FORMATS
+    from vllm_hybridspec.tools.engine_args import input_file, output_path
+
+    input_file(evaluate, "EVALUATE", "evaluate.json of hybridspec evaluate")
+    for path in compare:
+        input_file(path, "--compare", "a hybridspec compare result JSON")
+    output_path(out, "--out")
+    if out.suffix.lower() not in PLOT_FORMATS:
+        raise typer.BadParameter(f"--out '{out}' has suffix '{out.suffix}'; the image format comes from it: use "
+                                 f"one of {', '.join(PLOT_FORMATS)}")
     try:
         result = json.loads(evaluate.read_text())
     except (OSError, ValueError) as e:

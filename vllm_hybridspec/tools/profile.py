@@ -27,7 +27,7 @@ from pathlib import Path
 
 import typer
 
-from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options, int_list, json_object
+from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options, int_list, json_object, output_path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the proposer is reachable
 
@@ -117,6 +117,7 @@ def profile_command(
 
     spec = json_object(speculative_config, "speculative-config") or None
     ws = int_list(lengths, "lengths") if lengths else [None]
+    output_path(out, "--out", directory=True)
     t0 = time.perf_counter()
     llm = LLM(**engine.llm_kwargs(speculative_config=spec, async_scheduling=async_scheduling,
                                   max_num_seqs=max(batch, engine.max_num_seqs or 1)))

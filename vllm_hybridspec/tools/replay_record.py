@@ -10,7 +10,7 @@ import typer
 from vllm_hybridspec.bench.prompts import load_prompts
 from vllm_hybridspec.engine.replay.data import save_continuations
 from vllm_hybridspec.policy.errors import InputError
-from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options
+from vllm_hybridspec.tools.engine_args import EngineOptions, engine_options, output_path
 
 
 def _fail(message: str, code: int = 1):
@@ -51,14 +51,15 @@ def replay_record(
     dataset: str = typer.Option(None, help="a `datasets` name to take prompts from instead"),
     dataset_split: str = typer.Option("train"),
     prompt_field: str = typer.Option("prompt"),
-    output_len: int = typer.Option(256, help="the benchmark's --output-len"),
-    num_speculative_tokens: int = typer.Option(15, help="the largest K the replay will propose; recorded past "
-                                                        "output-len by this many tokens"),
+    output_len: int = typer.Option(256, min=1, help="the benchmark's --output-len"),
+    num_speculative_tokens: int = typer.Option(15, min=1, help="the largest K the replay will propose; recorded "
+                                                               "past output-len by this many tokens"),
 ) -> None:
     """For benchmarking only: record the target's greedy continuations of the benchmark prompts (plain
     decoding, EOS ignored) for the replay_bench proposer (docs/bench.md, "Replayed acceptance"). Use the
     benchmark server's dtype and model settings (``--load-format dummy``: vLLM seeds random weights per
     parameter, so the server gets the same ones)."""
+    output_path(out, "--out", make_parents=False)
     try:
         prompt_list = load_prompts(prompts, dataset, dataset_split, prompt_field)
     except ValueError as e:

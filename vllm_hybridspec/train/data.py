@@ -14,22 +14,24 @@ Layout of ``data_dir`` (what ``speculators prepare-data`` + ``generate-offline-d
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from tqdm import tqdm
+from vllm_hybridspec.policy.errors import USER_FILE
+from vllm_hybridspec.policy.files import atomic_dir
 from vllm_hybridspec.train.target import capture_hidden_states
 
 
 class DataSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = USER_FILE
 
     prompts: str = Field(
+        min_length=1,
         description="A local .jsonl/.json/.parquet file, a directory saved by datasets' "
-        "save_to_disk, or a Hugging Face hub dataset name"
+        "save_to_disk, or a Hugging Face hub dataset name",
     )
     split: str = "train"
     prompt_field: str | None = Field(
@@ -37,17 +39,74 @@ class DataSpec(BaseModel):
         description="Column holding the prompt (default: the first "
         "of messages, conversations, prompt, instruction, question, text)",
     )
-    max_prompts: int = 64
-    max_prompt_tokens: int = 128
-    max_new_tokens: int = 128
-    temperature: float = Field(default=0.0, description="0: greedy responses")
-    top_p: float = 1.0
-    generation_batch_size: int = 8
-    val_fraction: float = 0.125
+    max_prompts: int = Field(default=64, ge=2, description="train and validation prompts together")
+    max_prompt_tokens: int = Field(default=128, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0, description="0: greedy responses")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    generation_batch_size: int = Field(default=8, ge=1)
+    val_fraction: float = Field(
+        default=0.125, gt=0, lt=1, description="share of the prompts held out for validation"
+    )
 
 
 _PROMPT_FIELDS = ("messages", "conversations", "prompt", "instruction", "question", "text")
 _ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant", "system": "system"}
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_SAVED_DATASET = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def check_prompts(spec: DataSpec, seed: int) -> int:
+    """The number of prompt rows a run of ``spec`` uses, read with the same code the run reads them
+    with; a ``ValueError`` naming ``data.prompts`` (file, line or row) or ``data.val_fraction`` when
+    they cannot be used. Nothing is written (``datasets`` may fill its own cache)."""
+    path = Path(spec.prompts).expanduser()
+    source = f"field 'data.prompts': {spec.prompts!r}"
+    local = path.exists() or spec.prompts.startswith(("/", ".", "~")) or path.suffix in _FILE_SUFFIXES
+    if local and not path.exists():
+        raise ValueError(f"{source} does not exist; expected a .jsonl/.json/.parquet file, a "
+                         "save_to_disk directory or a Hugging Face hub dataset name")
+    if path.is_dir() and not any((path / name).exists() for name in _SAVED_DATASET):
+        raise ValueError(f"{source} is a directory without datasets' save_to_disk files "
+                         f"({', '.join(_SAVED_DATASET)}); give a .jsonl/.json/.parquet file or such a directory")
+    if path.is_file() and path.suffix not in _FILE_SUFFIXES:
+        raise ValueError(f"{source}: expected a .jsonl/.json/.parquet file or a save_to_disk directory")
+    if path.is_file() and path.suffix == ".jsonl":
+        from vllm_hybridspec.policy.records import iter_jsonl_objects
+
+        for _ in iter_jsonl_objects(path, "a JSON object with a prompt field"):  # line-numbered errors
+            pass
+    import datasets
+
+    quiet = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a refusal is one line on stderr, not progress bars and a line
+    try:
+        rows = load_prompts(spec, seed)
+    except Exception as e:  # datasets' errors: many kinds, many lines
+        text = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{source} could not be read ({text[:300]})") from None
+    finally:
+        if not quiet:
+            datasets.enable_progress_bars()
+    if len(rows) < 2:
+        raise ValueError(f"{source} has {len(rows)} prompt rows; training needs at least 2 (one to "
+                         "train on, one to validate with)")
+    for i, row in enumerate(rows):
+        try:
+            messages = prompt_messages(row, spec.prompt_field)
+            ok = bool(messages) and all(isinstance(m["content"], str) for m in messages)
+        except (ValueError, AttributeError, TypeError, KeyError) as e:
+            raise ValueError(f"{source}, row {i}: {e}") from None
+        if not ok:
+            raise ValueError(f"{source}, row {i}: no user text before the first assistant turn, or a "
+                             f"turn whose content is not text: {str(row)[:100]}")
+    n = len(rows)
+    n_train = int(n * (1.0 - spec.val_fraction))  # speculators' split (ArrowDataset)
+    if not 1 <= n_train < n:
+        raise ValueError(f"field 'data.val_fraction': {spec.val_fraction} of {n} prompts leaves the "
+                         f"{'training' if n_train < 1 else 'validation'} split empty; pick a fraction "
+                         f"between {1 / n:.3g} and {1 - 1 / n:.3g}, or more prompts")
+    return n
 
 
 def load_prompts(spec: DataSpec, seed: int):
@@ -140,10 +199,6 @@ def prepare_data(
 ) -> Path:
     """Generate responses with ``target`` and capture its hidden states at ``layer_ids`` into
     ``data_dir`` (skipped when ``data_dir`` already holds data made with the same settings)."""
-    from datasets import Dataset
-    from safetensors.torch import save_file
-    from speculators.train.vocab_mapping import save_token_frequency_distribution
-
     data_dir = Path(data_dir)
     manifest = {"target": target_name, "layer_ids": list(layer_ids), "seed": seed, "data": spec.model_dump()}
     if (data_dir / "capture.json").exists() and json.loads(
@@ -151,14 +206,25 @@ def prepare_data(
     ) == manifest:
         return data_dir
 
-    if data_dir.exists():
-        shutil.rmtree(data_dir)  # stale data made with other settings
     rows = load_prompts(spec, seed)
     prompts = [
         tokenize_prompt(tokenizer, prompt_messages(row, spec.prompt_field), spec.max_prompt_tokens)
         for row in rows
     ]
     responses = generate_responses(target, tokenizer, prompts, spec, seed)
+    # written beside data_dir and renamed over it when complete: stale data made with other settings
+    # stays until then, and a failure leaves no half-made data_dir
+    with atomic_dir(data_dir) as tmp:
+        _write_captured(tmp, prompts, responses, target, layer_ids)
+        (tmp / "capture.json").write_text(json.dumps(manifest, indent=2))
+    return data_dir
+
+
+def _write_captured(data_dir: Path, prompts, responses, target, layer_ids: list[int]) -> None:
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
     (data_dir / "hidden_states").mkdir(parents=True, exist_ok=True)
     columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     for i, (prompt, response) in enumerate(
@@ -176,8 +242,4 @@ def prepare_data(
     dataset = Dataset.from_dict(columns)
     dataset.set_format(type="torch")
     dataset.save_to_disk(str(data_dir))
-    freq_path = data_dir / "token_freq.pt"
-    freq_path.unlink(missing_ok=True)
-    save_token_frequency_distribution(dataset, freq_path)
-    (data_dir / "capture.json").write_text(json.dumps(manifest, indent=2))
-    return data_dir
+    save_token_frequency_distribution(dataset, data_dir / "token_freq.pt")

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, model_validator
+from vllm_hybridspec.policy.errors import USER_FILE
 
 BYTE_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -18,22 +19,35 @@ BYTE_CHAT_TEMPLATE = (
 class TinyTarget(BaseModel):
     """A random-weight target small enough to generate and capture on two CPU cores."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = USER_FILE
 
     model_type: Literal["qwen3", "qwen3_next"] = "qwen3"
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    max_position_embeddings: int = 4096
-    initializer_range: float = Field(default=0.02, description="std of the random weights")
+    hidden_size: int = Field(default=64, ge=1)
+    intermediate_size: int = Field(default=128, ge=2)
+    num_hidden_layers: int = Field(default=6, ge=1)
+    num_attention_heads: int = Field(default=4, ge=1)
+    num_key_value_heads: int = Field(default=2, ge=1)
+    head_dim: int = Field(default=16, ge=2)
+    max_position_embeddings: int = Field(default=4096, ge=1)
+    initializer_range: float = Field(default=0.02, gt=0, description="std of the random weights")
     # qwen3_next only: full attention every full_attention_interval-th layer, GDN elsewhere, MoE MLPs
-    full_attention_interval: int = 2
-    num_experts: int = 4
-    num_experts_per_tok: int = 2
-    seed: int = 0
+    full_attention_interval: int = Field(default=2, ge=1)
+    num_experts: int = Field(default=4, ge=1)
+    num_experts_per_tok: int = Field(default=2, ge=1)
+    seed: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TinyTarget:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads = {self.num_key_value_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok = {self.num_experts_per_tok} exceeds num_experts = {self.num_experts}"
+            )
+        return self
 
 
 def byte_tokenizer():
@@ -90,6 +104,11 @@ def tiny_target_config(spec: TinyTarget, vocab_size: int):
     )
 
 
+def tiny_vocab_size(tokenizer=None) -> int:
+    """The vocabulary of a tiny target: the byte tokenizer's, rounded up to a multiple of 8."""
+    return (len(tokenizer or byte_tokenizer()) + 7) // 8 * 8
+
+
 def build_tiny_target(spec: TinyTarget, out_dir: str | Path) -> Path:
     """Write a random-weight target (config, ``model.safetensors``, tokenizer) to ``out_dir``;
     deterministic in ``spec.seed``. Returns ``out_dir``."""
@@ -97,8 +116,7 @@ def build_tiny_target(spec: TinyTarget, out_dir: str | Path) -> Path:
 
     out_dir = Path(out_dir)
     tokenizer = byte_tokenizer()
-    vocab_size = (len(tokenizer) + 7) // 8 * 8
-    config = tiny_target_config(spec, vocab_size)
+    config = tiny_target_config(spec, tiny_vocab_size(tokenizer))
     config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -13,19 +13,27 @@ def models(
     out_dir: Path = typer.Option(Path("models"), help="Where the committed models go"),
     work_dir: Path = typer.Option(Path("out/models-work"), help="Captured data and optimizer checkpoints"),
     stage: list[str] = typer.Option(list(STAGES), help=f"Stages to run, in order: {', '.join(STAGES)}"),
-    steps: int = typer.Option(2000, help="Pretraining steps per target"),
+    steps: int = typer.Option(2000, min=1, help="Pretraining steps per target"),
     max_minutes: float = typer.Option(None, help="Stop each target's pretraining after this long"),
     force: bool = typer.Option(False, help="Redo stages whose outputs exist"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0),
 ) -> None:
     """Build the reference models from scratch: corpus, tokenizer, hybrid and dense targets, H-Spec and
     DFlash drafters for each, acceptance on held-out prompts and capture records (see train/reference/pipeline.py)."""
     from vllm_hybridspec.train.reference.pipeline import BuildSpec, build_all
     from vllm_hybridspec.train.reference.pretrain import PretrainSpec
 
+    import math
+
+    from vllm_hybridspec.tools.engine_args import output_path
+
     bad = [s for s in stage if s not in STAGES]
     if bad:
-        raise typer.BadParameter(f"unknown stage(s) {bad}; valid stages are {', '.join(STAGES)}")
+        raise typer.BadParameter(f"--stage {bad[0]!r} is not a stage; valid stages are {', '.join(STAGES)}")
+    if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
+        raise typer.BadParameter(f"--max-minutes {max_minutes:g} is not valid; expected a positive number of minutes")
+    output_path(out_dir, "--out-dir", directory=True)
+    output_path(work_dir, "--work-dir", directory=True)
     spec = BuildSpec(
         out_dir=str(out_dir),
         work_dir=str(work_dir),
