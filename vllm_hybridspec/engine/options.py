@@ -44,13 +44,14 @@ class HybridSpecOptions(BaseModel):
     drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
     full_graph_lengths: bool | list[int] = Field(
-        default=True, description="capture full CUDA graphs for uniform batches of every verification length the "
-        "selector can pick (true), of the listed lengths, or none besides vLLM's K + 1 (false)")
+        default=True, description="capture full CUDA graphs for uniform batches of one token per request, the gated "
+        "step (true), of the listed lengths, or none besides vLLM's K + 1 (false); selected lengths run in vLLM's "
+        "K + 1 graphs")
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
     full_graph_spec_steps: bool = Field(
-        default=False, description="with the one-slot GDN layer on a GPU, replay spec steps from full CUDA graphs; "
-        "exact at batch size 1 on the H200, not yet checked at larger batches "
-        "(docs/benchmarks/h200-2026-12-02b), so by default the engine runs piecewise graphs")
+        default=True, description="with the one-slot GDN layer on a GPU, replay spec steps from vLLM's full CUDA "
+        "graphs (exact on the H200 at max_num_seqs 8, docs/benchmarks/h200-2026-12-04b); false runs the engine "
+        "piecewise")
 
     @model_validator(mode="after")
     def _consistent(self) -> HybridSpecOptions:

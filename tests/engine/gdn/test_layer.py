@@ -67,14 +67,17 @@ def test_trimmed_lengths_with_vllms_own_gdn_path_are_an_error(options, message):
     assert not gdn_kernel_enabled(vllm_config(options={"gdn_kernel": False}))
 
 
-def test_trimmed_lengths_turn_the_layer_on_on_a_gpu_and_an_unmet_requirement_is_an_error(monkeypatch):
-    """On a GPU the layer is opt-in, but selection implies it: a policy (or a fixed length below K + 1)
-    turns it on; where it cannot run, the error names the option and the requirement."""
+def test_on_a_gpu_the_layer_is_on_by_default_and_an_unmet_requirement_of_selection_is_an_error(monkeypatch):
+    """On a GPU the layer is on unless "gdn_kernel": false; where it cannot run, an engine without
+    selection keeps vLLM's own path, and one with selection gets an error naming the option and the
+    requirement."""
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-    assert not gdn_kernel_enabled(vllm_config())  # opt-in
-    assert not gdn_kernel_enabled(vllm_config(options={"fixed_length": 4}))  # every draft: opt-in still
+    assert gdn_kernel_enabled(vllm_config())
+    assert gdn_kernel_enabled(vllm_config(options={"fixed_length": 4}))
+    assert not gdn_kernel_enabled(vllm_config(options={"gdn_kernel": False}))
+    assert not gdn_kernel_enabled(vllm_config(ssm="bfloat16"))  # vLLM's own path, with a warning
     assert gdn_kernel_enabled(vllm_config(options={"policy": "p.json"}))
     assert gdn_kernel_enabled(vllm_config(options={"fixed_length": 2}))
     with pytest.raises(ValueError, match=r'"policy": \'p.json\' \(length selection\) needs the one-slot GDN layer.*'
@@ -118,18 +121,20 @@ def test_on_a_gpu_only_full_graphs_of_mixed_batches_are_refused(monkeypatch, eag
 
 
 @pytest.mark.parametrize("graphs, options, on_cuda, piecewise", [
-    ("FULL_AND_PIECEWISE", {"gdn_kernel": True}, True, True),
-    ("FULL_DECODE_ONLY", {"gdn_kernel": True}, True, True),
-    ("FULL_AND_PIECEWISE", {"gdn_kernel": True, "full_graph_spec_steps": True}, True, False),
-    ("FULL_AND_PIECEWISE", {"gdn_kernel": False}, True, False),  # vLLM's own GDN path keeps its graphs
-    ("FULL_AND_PIECEWISE", None, True, False),  # opt-in on GPUs: vLLM's path
-    ("PIECEWISE", {"gdn_kernel": True}, True, False),
-    ("FULL_AND_PIECEWISE", {"gdn_kernel": True}, False, False),  # the CPU has no graphs to change
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True}, True, False),
+    ("FULL_DECODE_ONLY", {"gdn_kernel": True}, True, False),
+    ("FULL_AND_PIECEWISE", None, True, False),  # the layer by default, in vLLM's full graphs
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True, "full_graph_spec_steps": False}, True, True),
+    ("FULL_DECODE_ONLY", {"full_graph_spec_steps": False}, True, True),
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": False, "full_graph_spec_steps": False}, True, False),  # vLLM's path
+    ("PIECEWISE", {"gdn_kernel": True, "full_graph_spec_steps": False}, True, False),
+    ("FULL_AND_PIECEWISE", {"gdn_kernel": True, "full_graph_spec_steps": False}, False, False),  # no CPU graphs
 ])
-def test_one_slot_spec_steps_run_piecewise_on_a_gpu_unless_asked(monkeypatch, graphs, options, on_cuda, piecewise):
-    """Replayed from full CUDA graphs, the one-slot layer's spec steps left plain decoding's greedy output
-    on the H200 (0/24 prompts; piecewise 24/24): a GPU engine with the layer is set to PIECEWISE before
-    vLLM resolves its graph mode, unless "full_graph_spec_steps" is asked for."""
+def test_one_slot_spec_steps_run_piecewise_on_a_gpu_only_when_asked(monkeypatch, graphs, options, on_cuda,
+                                                                   piecewise):
+    """The one-slot layer's spec steps replay vLLM's full decode graphs (exact on the H200,
+    docs/benchmarks/h200-2026-12-04b); "full_graph_spec_steps": false sets a GPU engine with the layer to
+    PIECEWISE before vLLM resolves its graph mode."""
     from vllm.config import CUDAGraphMode
     from vllm.platforms import current_platform
 
@@ -165,10 +170,10 @@ def test_the_piecewise_switch_runs_before_vllm_resolves_the_graph_mode():
     ("ngram", None),
 ])
 @pytest.mark.parametrize("options", [None, {}, {"policy": None}])
-def test_on_a_gpu_the_layer_is_opt_in(monkeypatch, method, architectures, options):
-    """A GPU engine keeps vLLM's own GDN path unless "gdn_kernel": true is given (the layer has not
-    passed its GPU identity check), for every method and with or without other "hybridspec" options;
-    the same settings on the CPU get the layer."""
+def test_the_layer_is_the_default_on_gpus_and_cpus(monkeypatch, method, architectures, options):
+    """A GPU engine runs the one-slot layer unless "gdn_kernel": false is given (exact in full graphs on
+    the H200, docs/benchmarks/h200-2026-12-04b), for every method and with or without other
+    "hybridspec" options, as the CPU does."""
     from vllm.platforms import current_platform
 
     def config():
@@ -179,10 +184,10 @@ def test_on_a_gpu_the_layer_is_opt_in(monkeypatch, method, architectures, option
 
     assert gdn_kernel_enabled(config())  # the CPU
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-    assert not gdn_kernel_enabled(config())
-    asked = config()
-    asked.additional_config = {"hybridspec": {**(options or {}), "gdn_kernel": True}}
-    assert gdn_kernel_enabled(asked)
+    assert gdn_kernel_enabled(config())
+    off = config()
+    off.additional_config = {"hybridspec": {**(options or {}), "gdn_kernel": False}}
+    assert not gdn_kernel_enabled(off)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,19 +1,18 @@
 """Whether the GDN layers run with one state slot per request, and the page size that follows.
 
 On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
-"none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": true}`` is given,
-or ``gdn_kernel`` is left unset on the CPU, or length selection (or a fixed length below ``K + 1``)
-is configured. With ``"gdn_kernel": true`` or a trimmed length an unmet requirement is an error
-naming the value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path
-left plain decoding's output on all 24 prompts of the reference hybrid with selection on the H200
+"none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": false}`` is not
+given. With ``"gdn_kernel": true`` or a trimmed length an unmet requirement is an error naming the
+value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path left plain
+decoding's output on all 24 prompts of the reference hybrid with selection on the H200
 (``docs/benchmarks/h200-2026-12-02b``). Left unset otherwise, it falls back to vLLM's own GDN path
 with a warning.
 
-On GPUs the layer is opt-in: on the H200 its spec steps are exact in piecewise mode (24/24 prompts
-identical to plain decoding) and, at batch size 1, replayed from full CUDA graphs (24/24,
-``docs/benchmarks/h200-2026-12-02b``); larger batches in full graphs and the reference models in its
-current form are not yet checked there. So by default a GPU engine keeps vLLM's own path, and an
-engine that opts in runs piecewise graphs (``runner.piecewise_spec_steps``).
+On GPUs the layer's spec steps run in vLLM's full CUDA graphs: on the H200, float32, the reference
+hybrid with its H-Spec drafter at ``max_num_seqs`` 8 gives plain decoding's greedy output on every
+prompt, verifying every draft and with selected lengths (32/32 on 2026-12-04, 24/24 with the lengths
+cut on the device, ``docs/benchmarks/h200-2026-12-04b``); vLLM's own path gave 9/24
+(``h200-2026-12-02b``).
 """
 
 from __future__ import annotations
@@ -53,10 +52,6 @@ def gdn_kernel_enabled(vllm_config) -> bool:
         return False
     explicit = asked is True or trims is not None
     problem = _unmet_requirement(vllm_config)
-    if problem is None and not explicit and _on_cuda():
-        problem = ('on GPUs it is opt-in until its spec steps are checked in full CUDA graphs at every batch '
-                   'size (docs/benchmarks/h200-2026-12-02b); opt in with "hybridspec": {"gdn_kernel": true} '
-                   '(piecewise graphs)')
     if problem is None:
         return True
     if asked is True:

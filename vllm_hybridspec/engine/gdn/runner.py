@@ -15,9 +15,8 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by 
   each verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
-  is set to ``PIECEWISE`` (unless ``"full_graph_spec_steps": true``): replayed from full graphs its spec
-  steps are exact at batch size 1 on the H200 (24/24 prompts, ``docs/benchmarks/h200-2026-12-02b``) and
-  not yet checked at larger batches.
+  is set to ``PIECEWISE`` when ``"full_graph_spec_steps": false`` asks for it (by default its spec steps
+  replay vLLM's full graphs, exact on the H200, ``docs/benchmarks/h200-2026-12-04b``).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) 
 
 def piecewise_spec_steps(vllm_config) -> bool:
     """Set ``compilation_config.cudagraph_mode`` to ``PIECEWISE`` when this engine runs the one-slot layer
-    on a GPU with full decode graphs and ``"full_graph_spec_steps"`` is not asked for; returns whether it
+    on a GPU with full decode graphs and ``"full_graph_spec_steps": false`` is given; returns whether it
     did (a warning says so once per engine)."""
     from vllm.config import CUDAGraphMode
 
@@ -140,13 +139,11 @@ def piecewise_spec_steps(vllm_config) -> bool:
     if mode is None or not mode.has_full_cudagraphs() or not _on_cuda() or not gdn_kernel_enabled(vllm_config):
         return False
     options = hybridspec_options(vllm_config)
-    if options is not None and options.full_graph_spec_steps:
+    if options is None or options.full_graph_spec_steps:
         return False
     compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    logger.warning("vllm-hybridspec: cudagraph_mode %s -> PIECEWISE: spec steps of the one-slot GDN layer are not "
-                   "yet checked at batch sizes above 1 when replayed from full CUDA graphs "
-                   '(docs/benchmarks/h200-2026-12-02b); "hybridspec": {"full_graph_spec_steps": true} keeps full graphs',
-                   mode.name)
+    logger.warning('vllm-hybridspec: cudagraph_mode %s -> PIECEWISE ("hybridspec": {"full_graph_spec_steps": '
+                   "false}): the one-slot GDN layer's spec steps run piecewise", mode.name)
     return True
 
 
