@@ -235,7 +235,7 @@ class PendingRounds:
         verified row's ``m`` (accepted drafts + 1; a one-token round commits its token whatever the
         sampler did with it) into ``m_of_slab``. Rows without a round write the scratch slab."""
         n = output_token_ids.shape[0]
-        if n == 0:
+        if n == 0 or not self.step.rows:  # no round this step (a gated step, prefills): nothing to commit
             return
         counts = (output_token_ids != -1).sum(dim=1).to(torch.int32)
         m = torch.where(self.plan_dev[ROW_SINGLE, :n] > 0, self._zero + 1, counts)
