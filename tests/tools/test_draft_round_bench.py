@@ -1,6 +1,7 @@
-"""``hybridspec kernels draft-round`` without a GPU: at a tiny shape, its accuracy check passes on the
-round's own logits (the torch heads and the fused kernel through Triton's interpreter against
-float64), both rounds draft the same tokens, and the floor counts every weight the round reads."""
+"""``hybridspec kernels draft-round`` without a GPU: at a tiny shape, its accuracy checks pass (the
+torch heads and the fused kernel through Triton's interpreter against float64 on the round's own
+logits; the compiled layers against the eager ones), both rounds draft the same tokens, and the floor
+counts every weight the round reads."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
     model = model.float()  # the CPU's bf16 matmuls are slow; the check is the same
     r = dr.Round(model, 3, 40, torch.device("cpu"), seed=1)
     assert dr.check(r) == []
+    dr.compile_block_forward(model)
+    with torch.inference_mode():
+        assert dr.check_compiled(r, tol=1e-4) == []
     with torch.inference_mode():
         tokens, top1, ent = r.round_torch()
         fused = r.round_fused()

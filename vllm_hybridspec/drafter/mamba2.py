@@ -67,6 +67,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(num_heads))
         self.norm = GatedGroupRMSNorm(self.d_ssm, n_groups)
         self.out_proj = nn.Linear(self.d_ssm, hidden_size, bias=False)
+        # the scan's default (ssd_scan: mamba-ssm's kernel on CUDA); False keeps the torch form, which
+        # torch.compile fuses with the layer around it
+        self.use_kernel: bool | None = None
         with torch.no_grad():
             self.reset_ssm_parameters()
 
@@ -100,6 +103,7 @@ class Mamba2Mixer(nn.Module):
         Returns ``[N, L, hidden]``."""
         L = hidden.shape[1]
         H, P, S, G = self.num_heads, self.head_dim, self.d_state, self.n_groups
+        use_kernel = self.use_kernel if use_kernel is None else use_kernel
         z, xbc, dt = self.in_proj(hidden).split([self.d_ssm, self.d_ssm + 2 * G * S, H], dim=-1)
         # causal depthwise convolution: pad d_conv - 1 on both sides, keep the first L outputs
         xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :L].transpose(1, 2))

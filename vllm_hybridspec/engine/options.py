@@ -36,13 +36,15 @@ class HybridSpecOptions(BaseModel):
                        "gate table marks as slower than plain decoding")
     gdn_kernel: bool | None = Field(default=None, description="verify GDN layers with the parallel kernel and one "
                                     "state slot per request (true), or keep vLLM's own GDN spec-decode path "
-                                    "(false); default: on the CPU when its requirements hold, opt-in on GPUs")
+                                    "(false); default: on when its requirements hold")
     capture: str | None = Field(default=None, description="write calibration round records (JSONL) here "
                                 "(capture.py); verifies every draft token")
     fixed_length: int | None = Field(default=None, ge=1, description="verify exactly this many tokens "
                                      "(anchor + drafts) per request; for `calibrate costs`")
     drafter_cudagraphs: bool = Field(default=True, description="replay the H-Spec drafting round from CUDA "
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
+    drafter_compile: bool = Field(default=False, description="run the H-Spec drafter's layers through "
+                                  "torch.compile (fewer, fused kernels; the first round compiles them)")
     full_graph_lengths: bool | list[int] = Field(
         default=True, description="capture full CUDA graphs for uniform batches of one token per request, the gated "
         "step (true), of the listed lengths, or none besides vLLM's K + 1 (false); selected lengths run in vLLM's "

@@ -53,6 +53,7 @@ def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
 class HSpecForVLLM(nn.Module):
     tp_size = 1  # the engine's tensor parallel size (set in __init__)
     fused_heads: bool | None = None  # the Markov-head kernel (draft_heads); None: on CUDA devices
+    _compiled_layers = None  # the layers through torch.compile (compile_layers)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -280,10 +281,32 @@ class HSpecForVLLM(nn.Module):
         state = self.state_injection(last_hidden)  # [N, H, P, S] fp32
         hidden = self.embed_tokens(block_ids)  # [N, L, hidden]
         cos, sin = self._rope(positions, hidden.dtype)
+        hidden = self.layer_stack(hidden, state, cos, sin, prefix_kv, mask)
+        return self.draft_heads(hidden, anchor_ids)
+
+    def layers_forward(self, hidden: torch.Tensor, state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       prefix_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """The block through the drafter's layers: ``hidden`` ``[N, L, hidden]`` -> ``[N, L, hidden]``."""
         kv = iter(prefix_kv)
         for layer in self.layers:
             hidden = layer(hidden, state, cos, sin, next(kv) if layer.self_attn is not None else None, mask)
-        return self.draft_heads(hidden, anchor_ids)
+        return hidden
+
+    @property
+    def layer_stack(self):
+        """:meth:`layers_forward`, or its torch.compile'd form after :meth:`compile_layers`."""
+        return self._compiled_layers or self.layers_forward
+
+    def compile_layers(self) -> None:
+        """Run the layers through torch.compile (Inductor), shapes dynamic: each layer's few hundred
+        small operators (norms, dtype conversions, gates, the block's SSD scan in its torch form, masks)
+        become a few fused kernels, where eager execution is bound by their launches (4 layers of the
+        35B-shape drafter: 1.18 ms at one request, their weights 0.1 ms to read,
+        ``docs/benchmarks/h200-2026-12-04b``). The compiled kernels are captured in the round's CUDA
+        graphs like the eager ones."""
+        for layer in self.layers:
+            layer.mamba.use_kernel = False
+        self._compiled_layers = torch.compile(self.layers_forward, dynamic=True)
 
     def _block_mask(self, prefix_lens: torch.Tensor, positions: torch.Tensor, capacity: int, L: int) -> torch.Tensor:
         """``request_block_mask(prefix_lens, capacity, L, sliding_window)`` from cached constants, with

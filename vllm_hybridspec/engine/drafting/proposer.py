@@ -144,6 +144,9 @@ class HSpecProposer(RunnerDFlashProposer):
             )
         super().load_model(target_model)
         self.model.upcast_ssm_parameters()  # after loading: the per-round float32 reads become no-ops
+        options = hybridspec_options(self.vllm_config)
+        if options is not None and options.drafter_compile:
+            self.model.compile_layers()
         self.draft_graphs = None
         if drafter_graphs_enabled(self.vllm_config, self.device):
             self.draft_graphs = DraftGraphs(self.model, batch_buckets(self.vllm_config.scheduler_config.max_num_seqs))
