@@ -125,8 +125,9 @@ def test_every_mode_passes_the_identity_check_against_a_separate_plain_engine(ev
 def test_modes_verify_what_they_say(evaluated):
     """plain: no draft verified, every step gated, one token per request per step. all: every row that
     has the budget verifies K + 1 tokens. sel-nogate and sel-batched: the lengths the selector chose are
-    what vLLM verified (its drafts counter equals the sum over rows of w - 1) and, for sel-nogate, some
-    rows verify fewer than K + 1 tokens; accepted drafts never exceed verified ones."""
+    what the target verified (the drafts the cut let the rejection sampler see equal the sum over rows
+    of w - 1; vLLM schedules and counts K per drafted row) and, for sel-nogate, some rows verify fewer
+    than K + 1 tokens; accepted drafts never exceed verified ones."""
     _, result, _ = evaluated
     modes = result["modes"]
     plain = modes["plain"]
@@ -137,8 +138,10 @@ def test_modes_verify_what_they_say(evaluated):
         r = modes[name]
         lengths = {int(w): n for w, n in r["rows_at_length"].items()}
         verified = sum((w - 1) * n for w, n in lengths.items())
-        assert r["spec_counters"].get("num_draft_tokens", 0) == verified, (name, lengths, r["spec_counters"])
-        assert 0 <= r["spec_counters"].get("num_accepted_tokens", 0) <= verified
+        assert r["verified_drafts"] == verified, (name, lengths, r["verified_drafts"])
+        counters = r["spec_counters"]
+        assert counters.get("num_draft_tokens", 0) == K * counters.get("num_drafts", 0), (name, counters)
+        assert 0 <= counters.get("num_accepted_tokens", 0) <= verified
         assert name == "sel-batched" or r["gated_steps"] == 0
         for b, s in r["steps"].items():
             assert int(b) <= s["tokens_per_step"] <= int(b) * (K + 1)

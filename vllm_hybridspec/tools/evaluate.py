@@ -85,9 +85,14 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
     from vllm_hybridspec.tools.compare import counter_delta, spec_counters, top2_of
     from vllm_hybridspec.tools.costs import time_decode_steps
 
+    from vllm_hybridspec.engine.compat import in_process_runner
+    from vllm_hybridspec.engine.length.cut import cut_of
+
     configure_mode(selector, mode, k, policy)
     before_stats = selector.stats()
     before = spec_counters(llm)
+    cut = cut_of(in_process_runner(llm))  # the drafts the rejection sampler saw (vLLM counts all K it scheduled)
+    verified_before = int(cut.verified_drafts) if cut is not None else 0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                                 logprobs=2 if logprobs else None), use_tqdm=False)
@@ -104,6 +109,8 @@ def run_mode(llm, selector, mode: str, k: int, policy: str | None, prompts: list
         "spec_counters": counters,
         "mean_acceptance_length": acceptance_length,
         "rows_at_length": {w: n for w, n in lengths.items() if n},
+        "verified_drafts": (int(cut.verified_drafts) - verified_before if cut is not None
+                            else counters.get("num_draft_tokens", 0)),
         "gated_steps": stats["gated_steps"] - before_stats["gated_steps"],
         "steps": {},
     }
