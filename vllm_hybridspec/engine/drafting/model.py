@@ -33,7 +33,7 @@ from vllm_hybridspec.engine.drafting.kv_cache import (
     kv_heads_recoverable,
     paged_kv_views,
 )
-from vllm_hybridspec.kernels.markov import markov_heads
+from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_torch
 
 
 def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
@@ -341,31 +341,15 @@ class HSpecForVLLM(nn.Module):
 
         On CUDA (or with ``fused_heads`` set) the Markov head runs as one kernel per position over the
         LM head's logits in their own dtype (``kernels.markov.markov_heads``: the bias accumulated in
-        fp32, the softmax statistics in one pass). Elsewhere the positions run as torch ops, the same
-        arithmetic as the reference in fewer kernels: the Markov bias is added to the fp32 logits with
-        type promotion, ``max`` gives the greedy token (the first maximal index, as ``argmax``) and its
-        log-probability in one kernel, and the elementwise tails run once on the stacked ``[N, K]``
-        values."""
+        fp32, the softmax statistics in one pass); elsewhere as torch ops per position
+        (``kernels.markov.markov_heads_torch``)."""
         N, L, d = hidden.shape
         logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).view(N, L - 1, -1)
         mh = self.markov_head
-        if self.fused_heads if self.fused_heads is not None else hidden.is_cuda:
-            heads = markov_heads(logits, anchor_ids, *((mh.markov_w1.weight, mh.markov_w2.weight) if mh else ()))
-            return DraftBlock(heads.tokens, heads.top1_prob, heads.entropy)
-        logits = logits.float()
-        prev = anchor_ids
-        tokens, top1_logp, plogp = [], [], []
-        for k in range(L - 1):
-            step = logits[:, k]
-            if mh is not None:
-                step = step + mh.markov_w2(mh.prev_embeddings(prev))
-            logp = torch.log_softmax(step, dim=-1)
-            best_logp, best = logp.max(dim=-1)
-            top1_logp.append(best_logp)
-            plogp.append((logp.exp() * logp).sum(-1))
-            prev = best
-            tokens.append(best)
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1))
+        weights = (mh.markov_w1.weight, mh.markov_w2.weight) if mh is not None else ()
+        fused = self.fused_heads if self.fused_heads is not None else hidden.is_cuda
+        heads = (markov_heads if fused else markov_heads_torch)(logits, anchor_ids, *weights)
+        return DraftBlock(heads.tokens, heads.top1_prob, heads.entropy)
 
 
 # --- the reaches into vLLM this model needs --------------------------------------------------------

@@ -44,6 +44,28 @@ def markov_heads_reference(logits: torch.Tensor, anchors: torch.Tensor, w1: torc
     return DraftHeads(torch.stack(tokens, 1), torch.stack(top1, 1), torch.stack(entropy, 1))
 
 
+def markov_heads_torch(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor | None = None,
+                       w2: torch.Tensor | None = None) -> DraftHeads:
+    """The heads as torch ops per position in float32 (what the engine runs off CUDA): the Markov bias
+    ``linear(embedding(prev, w1), w2)`` in the weights' dtype is added to the float32 logits with type
+    promotion, ``max`` gives the greedy token (the first maximal index, as ``argmax``) and its
+    log-probability in one kernel, and the elementwise tails run once on the stacked ``[N, K]``
+    values. Same arguments as :func:`markov_heads_reference`."""
+    x = logits.float()
+    prev, tokens, top1_logp, plogp = anchors, [], [], []
+    for k in range(x.shape[1]):
+        step = x[:, k]
+        if w1 is not None:
+            step = step + torch.nn.functional.linear(torch.nn.functional.embedding(prev.long(), w1), w2)
+        logp = torch.log_softmax(step, dim=-1)
+        best_logp, best = logp.max(dim=-1)
+        top1_logp.append(best_logp)
+        plogp.append((logp.exp() * logp).sum(-1))
+        prev = best
+        tokens.append(best)
+    return DraftHeads(torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1))
+
+
 def top2_margins(logits: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                  w1: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, K]`` float64: at each position, the gap between the best and second-best biased logit,

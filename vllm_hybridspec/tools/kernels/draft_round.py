@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference, top2_margins
+from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference, markov_heads_torch, top2_margins
 
 from .timing import graph_ms, log, read_bandwidth
 
@@ -73,23 +73,6 @@ def build_drafter(device: torch.device, layers: int = 4, block_size: int = 16, m
                 for name, value in module.ssm_parameter_init().items():
                     getattr(module, name).copy_(value)
     return model.to(torch.bfloat16).eval()
-
-
-def heads_torch(logits: torch.Tensor, anchors: torch.Tensor, markov) -> tuple:
-    """The engine's torch heads (``HSpecForVLLM.draft_heads`` without the kernel)."""
-    logits = logits.float()
-    prev, tokens, top1_logp, plogp = anchors, [], [], []
-    for k in range(logits.shape[1]):
-        step = logits[:, k]
-        if markov is not None:
-            step = step + markov.markov_w2(markov.prev_embeddings(prev))
-        logp = torch.log_softmax(step, dim=-1)
-        best_logp, best = logp.max(dim=-1)
-        top1_logp.append(best_logp)
-        plogp.append((logp.exp() * logp).sum(-1))
-        prev = best
-        tokens.append(best)
-    return torch.stack(tokens, 1), torch.stack(top1_logp, 1).exp(), -torch.stack(plogp, 1)
 
 
 @contextlib.contextmanager
@@ -150,7 +133,8 @@ class Round:
         self.logits = self.model.lm_head(self.model.norm(self.hidden[:, 1:]))  # [B, K, V] bf16
 
     def heads_torch(self):
-        return heads_torch(self.logits, self.anchors, self.model.markov_head)
+        mh = self.model.markov_head
+        return markov_heads_torch(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight)
 
     def heads_fused(self, **launch):
         mh = self.model.markov_head
@@ -216,7 +200,7 @@ def check(r: Round) -> list[str]:
     if int((margins >= TIE_GAP).sum()) < margins.numel() // 2:
         problems.append(f"only {int((margins >= TIE_GAP).sum())} of {margins.numel()} positions have a top-2 gap "
                         f"above {TIE_GAP}: the check would compare too little")
-    for name, (tokens, top1, ent) in (("torch", r.heads_torch()), ("fused", tuple(r.heads_fused()))):
+    for name, (tokens, top1, ent) in (("torch", tuple(r.heads_torch())), ("fused", tuple(r.heads_fused()))):
         for n, k in itertools.product(range(r.B), range(r.L - 1)):
             if margins[n, k] < TIE_GAP:
                 break
