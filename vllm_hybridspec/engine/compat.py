@@ -1,6 +1,6 @@
 """What every feature of the engine glue shares about vLLM 0.26: the supported release, wrapping a
-vLLM method once, hooks after the runner's sampling step, and reaching an engine's runner from
-outside (in-process tools, worker extensions).
+vLLM method once, the runner's step hooks (after its inputs are prepared, before a dummy run, after
+sampling), and reaching an engine's runner from outside (in-process tools, worker extensions).
 
 vLLM has no stable internal API. Every reach into it sits beside the feature that needs it, names
 the vLLM symbol it touches, and has a contract check in ``tests/engine/test_vllm_internals.py``; only what
@@ -63,7 +63,59 @@ def wrap_once(owner, attr: str, make_wrapper) -> None:
     setattr(owner, attr, wrapper)
 
 
-_AFTER_SAMPLING_HOOKS: list = []
+_HOOKS: dict[str, list] = {"after_prepare_inputs": [], "before_dummy_run": [], "after_sampling": []}
+
+
+def _register(kind: str, hook) -> None:
+    if hook not in _HOOKS[kind]:
+        _HOOKS[kind].append(hook)
+
+
+def patch_runner_after_prepare_inputs(hook) -> None:
+    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by
+    ``CPUModelRunner``) to call ``hook(runner, scheduler_output)`` after it, for every hook registered
+    (in registration order; registering one twice is a no-op).
+
+    Why: after it the persistent batch's row order, the rows' draft counts
+    (``runner.num_decode_draft_tokens``, written whenever the step has drafts), ``query_start_loc``, the
+    block tables and the sampling metadata are final and the model has not run; vLLM calls it inside
+    ``synchronize_input_prep``, which guards the reuse of pinned host buffers. The one-slot GDN layer
+    plans its rounds there, the length cut its rows' lengths."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _register("after_prepare_inputs", hook)
+
+    def make(original):
+        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+            result = original(self, scheduler_output, *args, **kwargs)
+            for registered in _HOOKS["after_prepare_inputs"]:
+                registered(self, scheduler_output)
+            return result
+
+        return _prepare_inputs
+
+    wrap_once(GPUModelRunner, "_prepare_inputs", make)
+
+
+def patch_runner_before_dummy_run(hook) -> None:
+    """Wrap ``GPUModelRunner._dummy_run`` to call ``hook(runner)`` before it, for every hook registered.
+
+    Why: vLLM's profiling runs, warm-ups and CUDA-graph captures all go through it, and none is a served
+    step: the features reset their per-step state there (no pending round, no cut), before any capture
+    records work that reads it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _register("before_dummy_run", hook)
+
+    def make(original):
+        def _dummy_run(self, *args, **kwargs):
+            for registered in _HOOKS["before_dummy_run"]:
+                registered(self)
+            return original(self, *args, **kwargs)
+
+        return _dummy_run
+
+    wrap_once(GPUModelRunner, "_dummy_run", make)
 
 
 def patch_runner_after_sampling(hook) -> None:
@@ -78,13 +130,12 @@ def patch_runner_after_sampling(hook) -> None:
     on every step that sampled)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if hook not in _AFTER_SAMPLING_HOOKS:
-        _AFTER_SAMPLING_HOOKS.append(hook)
+    _register("after_sampling", hook)
 
     def make(original):
         def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
             original(self, output_token_ids, scheduler_output)
-            for registered in _AFTER_SAMPLING_HOOKS:
+            for registered in _HOOKS["after_sampling"]:
                 registered(self, output_token_ids, scheduler_output)
 
         return _update_states_after_model_execute

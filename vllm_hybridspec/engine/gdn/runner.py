@@ -3,16 +3,16 @@ a clean plan before vLLM's dummy runs and graph captures, and the committed coun
 
 vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by the CPU runner):
 
-* ``GPUModelRunner._prepare_inputs``: after it, the persistent batch's row order, the draft counts
-  the GDN builder will classify rows by (``self.num_decode_draft_tokens``, written by
-  ``_prepare_inputs`` whenever the step has drafts) and the block tables are final, and the model has
-  not run yet. The plan (``PendingRounds.plan``) is computed there on the host and copied to the
-  device inside vLLM's ``synchronize_input_prep`` (which guards the reuse of pinned host buffers).
-* ``GPUModelRunner._dummy_run``: before it, the plan is reset to the scratch slab, so a profiling
-  run, a warm-up or a CUDA-graph capture never touches a request's pending round, and the layers'
-  float32 conv taps are converted eagerly (a capture records work without running it).
-* ``GPUModelRunner._update_states_after_model_execute`` (through ``compat.patch_runner_after_sampling``):
-  each verified row's ``m`` is written on the device for the next round.
+* ``GPUModelRunner._prepare_inputs`` (``compat.patch_runner_after_prepare_inputs``): after it, the
+  persistent batch's row order, the draft counts the GDN builder will classify rows by
+  (``self.num_decode_draft_tokens``) and the block tables are final, and the model has not run yet.
+  The plan (``PendingRounds.plan``) is computed there on the host and copied to the device.
+* ``GPUModelRunner._dummy_run`` (``compat.patch_runner_before_dummy_run``): before it, the plan is reset
+  to the scratch slab, so a profiling run, a warm-up or a CUDA-graph capture never touches a request's
+  pending round, and the layers' float32 conv taps are converted eagerly (a capture records work
+  without running it).
+* ``GPUModelRunner._update_states_after_model_execute`` (``compat.patch_runner_after_sampling``): each
+  verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
   is set to ``PIECEWISE`` when ``"full_graph_spec_steps": false`` asks for it (by default its spec steps
@@ -25,7 +25,12 @@ import logging
 
 import numpy as np
 
-from vllm_hybridspec.engine.compat import patch_runner_after_sampling, wrap_once
+from vllm_hybridspec.engine.compat import (
+    patch_runner_after_prepare_inputs,
+    patch_runner_after_sampling,
+    patch_runner_before_dummy_run,
+    wrap_once,
+)
 from vllm_hybridspec.engine.gdn.check import check_recorded_steps, log_sampled, warm_step_records
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
@@ -93,27 +98,15 @@ def plan_step(runner, scheduler_output) -> None:
                 dropped, flush)
 
 
-def _planned_prepare_inputs(original):
-    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        result = original(self, scheduler_output, *args, **kwargs)
-        plan_step(self, scheduler_output)
-        return result
-
-    return _prepare_inputs
-
-
-def _clean_dummy_run(original):
-    def _dummy_run(self, *args, **kwargs):
-        rounds = ensure_rounds(self)
-        if rounds is not None:
-            rounds.reset_step()
-            for layers in rounds.groups.values():
-                for layer in layers:
-                    layer.warm_conv_taps()  # before any capture inside the dummy run (HSpecQwenGDN._conv_taps_fp32)
-                    warm_step_records(layer)  # the self-check's stamp counters, likewise (check.warm_step_records)
-        return original(self, *args, **kwargs)
-
-    return _dummy_run
+def clean_plan_before_dummy_run(runner) -> None:
+    """The before-dummy-run hook: the scratch plan, and what a capture must not create itself."""
+    rounds = ensure_rounds(runner)
+    if rounds is not None:
+        rounds.reset_step()
+        for layers in rounds.groups.values():
+            for layer in layers:
+                layer.warm_conv_taps()  # before any capture inside the dummy run (HSpecQwenGDN._conv_taps_fp32)
+                warm_step_records(layer)  # the self-check's stamp counters, likewise (check.warm_step_records)
 
 
 def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) -> None:
@@ -160,6 +153,6 @@ def patch_runner_pending_rounds() -> None:
 
     wrap_once(GPUModelRunner, "_check_and_update_cudagraph_mode", _piecewise_before_resolving)
 
-    wrap_once(GPUModelRunner, "_prepare_inputs", _planned_prepare_inputs)
-    wrap_once(GPUModelRunner, "_dummy_run", _clean_dummy_run)
+    patch_runner_after_prepare_inputs(plan_step)
+    patch_runner_before_dummy_run(clean_plan_before_dummy_run)
     patch_runner_after_sampling(committed_counts_after_sampling)

@@ -36,7 +36,11 @@ import weakref
 import numpy as np
 import torch
 
-from vllm_hybridspec.engine.compat import wrap_once
+from vllm_hybridspec.engine.compat import (
+    patch_runner_after_prepare_inputs,
+    patch_runner_before_dummy_run,
+    wrap_once,
+)
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
 
@@ -221,13 +225,10 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
 # --- the reaches into vLLM -------------------------------------------------------------------------
 
 
-def _cut_after_prepare_inputs(original):
-    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        result = original(self, scheduler_output, *args, **kwargs)
-        plan_step_cut(self, scheduler_output)
-        return result
-
-    return _prepare_inputs
+def reset_before_dummy_run(runner) -> None:
+    cut = _CUTS.get(runner)
+    if cut is not None:
+        cut.reset()
 
 
 def _cut_sample(original):
@@ -235,16 +236,6 @@ def _cut_sample(original):
         return sample_with_cut(self, original, logits, spec_decode_metadata)
 
     return _sample
-
-
-def _reset_before_dummy_run(original):
-    def _dummy_run(self, *args, **kwargs):
-        cut = _CUTS.get(self)
-        if cut is not None:
-            cut.reset()
-        return original(self, *args, **kwargs)
-
-    return _dummy_run
 
 
 def _routed_at_cut(original):
@@ -260,15 +251,14 @@ def _routed_at_cut(original):
 
 
 def patch_device_cut() -> None:
-    """Wrap four vLLM 0.26 methods (the module docstring says what each does):
+    """Hook into or wrap four vLLM 0.26 methods (the module docstring says what each does):
 
-    * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by the CPU runner):
-      after it the step's rows, their draft counts (``num_decode_draft_tokens``, written whenever the
-      step has drafts), ``query_start_loc`` and the sampling metadata are final and the model has not
-      run; the cut is planned there (inside vLLM's ``synchronize_input_prep``, which guards the reuse
-      of the pinned staging buffer);
+    * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by the CPU runner;
+      ``compat.patch_runner_after_prepare_inputs``): the cut is planned after it (the pinned staging
+      buffer is reused inside vLLM's ``synchronize_input_prep``);
     * ``GPUModelRunner._sample``: the rejection sampler with each row's bonus at its cut;
-    * ``GPUModelRunner._dummy_run``: no cut in profiling runs, warm-ups and graph captures;
+    * ``GPUModelRunner._dummy_run`` (``compat.patch_runner_before_dummy_run``): no cut in profiling runs,
+      warm-ups and graph captures;
     * ``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._apply_quant_method``: it routes
       the step's tokens (inside vLLM's opaque ``moe_forward`` custom op on GPUs, so the gather runs in
       eager, piecewise and full-graph execution alike, after expert-parallel dispatch, which these
@@ -276,7 +266,7 @@ def patch_device_cut() -> None:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    wrap_once(GPUModelRunner, "_prepare_inputs", _cut_after_prepare_inputs)
+    patch_runner_after_prepare_inputs(plan_step_cut)
+    patch_runner_before_dummy_run(reset_before_dummy_run)
     wrap_once(GPUModelRunner, "_sample", _cut_sample)
-    wrap_once(GPUModelRunner, "_dummy_run", _reset_before_dummy_run)
     wrap_once(MoERunner, "_apply_quant_method", _routed_at_cut)
