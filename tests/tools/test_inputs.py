@@ -23,17 +23,20 @@ DENSE = str(MODELS / "dense")  # a committed model directory with config.json
 
 @pytest.fixture(autouse=True)
 def no_engine(monkeypatch):
-    """A refusal this file expects must come before any engine: the functions that would start one fail."""
+    """A refusal this file expects must come before any engine or kernel benchmark: the functions that
+    would start one fail."""
     import sys
 
     from vllm_hybridspec.tools import calibrate, checks, compare, costs, evaluate, replay_record, spec_steps
+    from vllm_hybridspec.tools.kernels import draft_round, fused_round, gdn_compare, profile, tune
 
     def started(*args, **kwargs):
-        raise AssertionError("an engine was about to start")
+        raise AssertionError("an engine or a kernel benchmark was about to start")
 
     for module, name in ((compare, "run_config"), (costs, "measure_costs"), (evaluate, "evaluate"),
                          (checks, "greedy_outputs"), (replay_record, "record_continuations"),
-                         (spec_steps, "measure")):
+                         (spec_steps, "measure"), (gdn_compare, "run"), (fused_round, "run"),
+                         (tune, "sweep_parts"), (tune, "tune_fused"), (profile, "profile"), (draft_round, "run")):
         monkeypatch.setattr(module, name, started)
     if "vllm" in sys.modules:  # calibrate capture and profile construct vllm.LLM themselves
         monkeypatch.setattr(sys.modules["vllm"], "LLM", started)
@@ -172,6 +175,12 @@ OUTPUTS = [
     ("models", "--out-dir", "dir", [], True),
     ("models", "--work-dir", "dir", [], True),
     ("report", "--out-dir", "dir", ["{tmp}/r.json"], True),
+    ("kernels compare", "--out", "file", ["--shape", "tiny"], False),
+    ("kernels compare", "--json", "file", ["--shape", "tiny"], False),
+    ("kernels render", "--out", "file", ["{tmp}/r.json"], False),
+    ("kernels fused", "--json", "file", ["--shape", "tiny"], False),
+    ("kernels tune", "--out", "file", ["--shape", "tiny"], False),  # before the CUDA check: testable here
+    ("kernels draft-round", "--json", "file", [], False),
 ]
 
 
@@ -288,6 +297,22 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
     (["kernels", "compare", "--batches", "0"], "--batches must be comma-separated positive integers, got '0'"),
     (["kernels", "fused", "--batches", "1,x"], "--batches must be comma-separated positive integers, got '1,x'"),
     (["kernels", "profile", "--shape", "7b"], "--shape must be one of 35b, tiny, got '7b'"),
+    (["kernels", "profile", "--BV", "48"], "--BV must be a power of two, got 48"),
+    (["kernels", "profile", "--BV", "0"], "--BV must be a power of two, got 0"),
+    (["kernels", "profile", "--BK", "8"], "--BK must be a power of two >= 16 (the reduction dimension of tl.dot), "
+                                          "got 8"),
+    (["kernels", "profile", "--BK", "96"], "--BK must be a power of two >= 16 (the reduction dimension of tl.dot), "
+                                           "got 96"),
+    (["kernels", "profile", "--num-warps", "3"], "--num-warps must be a power of two in 1..32, got 3"),
+    (["kernels", "profile", "--num-warps", "64"], "--num-warps must be a power of two in 1..32, got 64"),
+    (["kernels", "profile", "--precision", "fp16"], "--precision must be one of auto, tf32, tf32x3, ieee, got "
+                                                    "'fp16'"),
+    # before the CUDA check, so that it is answered on this machine too
+    (["kernels", "tune", "--shape", "7b", "--out", "{tmp}/t.jsonl"], "--shape must be one of 35b, tiny, got '7b'"),
+    (["kernels", "draft-round", "--batches", "4,0"], "--batches must be comma-separated positive integers, got "
+                                                     "'4,0'"),
+    (["kernels", "draft-round", "--batches", "1,4", "--json", "{tmp}/none/d.json"],
+     "--json '{tmp}/none/d.json': directory '{tmp}/none' does not exist; create it or write elsewhere"),
     (["profile", "--model", DENSE, "--speculative-config", "{", "--out", "{tmp}/p"],
      "--speculative-config is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
      "(char 1)): '{'"),
@@ -350,7 +375,7 @@ def test_input_files_of_the_other_commands(tmp_path):
     (["train", "--config", "none.yaml"], "recipe 'none.yaml' does not exist"),
 ])
 def test_checks_that_other_modules_own(tmp_path, monkeypatch, args, message):
-    """Checks of the kernels tools (outside this change) and of the policy commands, through the one-line
+    """Checks that the kernels tools and the policy commands own (their own modules), through the one-line
     usage errors of the root command."""
     monkeypatch.chdir(tmp_path)
     line = refused_line(invoke(*args))
@@ -386,3 +411,4 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path):
                              "on the Hub (OfflineModeIsEnabled)); expected a `datasets` name (or use --prompts FILE).")
         assert "Traceback" not in run.stderr
     assert list(tmp_path.iterdir()) == []
+

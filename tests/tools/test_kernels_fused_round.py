@@ -1,7 +1,9 @@
 """``hybridspec kernels fused`` on the CPU: the float64 accuracy check of the fused and unfused rounds
-runs (Triton's interpreter) and the command exits cleanly, saying that timing needs a CUDA device."""
+runs (Triton's interpreter) and the command exits cleanly, saying that timing needs a CUDA device; the
+kernels commands' results are written beside and renamed."""
 
 import json
+import os
 
 import torch
 from typer.testing import CliRunner
@@ -55,3 +57,42 @@ def test_round_bytes_count_each_state_once_read_and_once_written():
     # the states dominate: 4 states read and written per layer; the inputs, the 64 factor rows and
     # the outputs add about 15 % at w = 8
     assert 1.1 * 2 * 4 * shape.state_bytes * shape.layers < total < 1.2 * 2 * 4 * shape.state_bytes * shape.layers
+
+
+def test_kernel_results_that_fail_to_write_keep_the_earlier_file(tmp_path, monkeypatch):
+    """The kernels commands write their results (--json, --out) beside and renamed: a failing write keeps
+    the earlier file whole and leaves no temporary file; a launch sweep (kernels tune --out) rewrites its
+    file after every measurement, so one stopped midway leaves every line measured so far."""
+    import pytest
+
+    from vllm_hybridspec.tools.kernels import tune
+    from vllm_hybridspec.tools.kernels.cli import _write_json
+
+    out = tmp_path / "fused.json"
+    _write_json(out, {"rows": [1]})
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space left"):
+        _write_json(out, {"rows": [1, 2]})
+    assert json.loads(out.read_text()) == {"rows": [1]}
+    assert [p.name for p in tmp_path.iterdir()] == ["fused.json"]
+    monkeypatch.setattr(os, "replace", real_replace)
+
+    measured = iter([0.3, None, 0.1, 0.2])  # None: a candidate that does not compile, passed over
+
+    def ours_ms(*args):
+        ms = next(measured, "stop")
+        if ms == "stop":
+            raise KeyboardInterrupt  # the sweep stopped after the third measurement
+        if ms is None:
+            raise RuntimeError("out of resources")
+        return ms
+
+    monkeypatch.setattr(tune, "ours_ms", ours_ms)
+    sweep = tmp_path / "tune.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        tune.sweep_parts(SHAPES["tiny"], sweep, samples=3)
+    rows = [json.loads(line) for line in sweep.read_text().splitlines()]
+    assert [(r["part"], r["cfg"], r["ms"]) for r in rows] == [("commit", cfg, ms) for cfg, ms in
+                                                              zip(tune.COMMIT[:1] + tune.COMMIT[2:4], (0.3, 0.1, 0.2))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused.json", "tune.jsonl"]

@@ -49,6 +49,8 @@ RECURRENT_BV_ONE_SEQ = 4
 # the chunkwise inverse uses the product series from this round length on: at w = 16 it verified in
 # 0.221 against 0.270 ms (one sequence) and 0.307 against 0.350 ms (four) in that sweep
 SERIES_FROM = 9
+# tl.dot input precisions of the chunkwise verify (``precision`` of gdn_verify)
+PRECISIONS = ("auto", "tf32", "tf32x3", "ieee")
 
 
 def recurrent_up_to(num_seqs: int) -> int:
@@ -197,8 +199,8 @@ def _launch_config(dtype, N, K, V, max_len, method, BV, BK, num_warps, precision
         method = "recurrent" if max_len <= recurrent_up_to(N) else "chunk"
     if method not in LAUNCH_DEFAULTS:
         raise ValueError(f"method must be 'chunk', 'recurrent' or 'auto', got {method!r}")
-    if precision not in ("auto", "tf32", "tf32x3", "ieee"):
-        raise ValueError(f"precision must be 'auto', 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if BV is None:
         BV = RECURRENT_BV_ONE_SEQ if method == "recurrent" and N == 1 else LAUNCH_DEFAULTS[method]["BV"]
     launch = dict(BV=min(BV, triton.next_power_of_2(V)), U=max_len,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import typer
 
-from vllm_hybridspec.tools.engine_args import int_list
+from vllm_hybridspec.tools.engine_args import int_list, output_path
 
 kernels_app = typer.Typer(help="Kernel benchmarks: the GDN kernels against vLLM and fla, the fused lazy commit, "
                                "launch sweeps, profiling, the H-Spec drafting round (timings need CUDA; the GDN "
@@ -49,6 +49,34 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
+def _output(path: Path | None, option: str) -> None:
+    """An output file checked before the run (which can take minutes on the GPU, hours through the
+    interpreter): not a directory, in an existing writable directory (the commands make none)."""
+    output_path(path, option, make_parents=False)
+
+
+def _power_of_two(value: int, option: str, low: int = 1, high: int | None = None, why: str = "") -> int:
+    if value < low or value & (value - 1) or (high is not None and value > high):
+        bounds = f" in {low}..{high}" if high is not None else f" >= {low}" if low > 1 else ""
+        raise typer.BadParameter(f"{option} must be a power of two{bounds}{why}, got {value}")
+    return value
+
+
+def _launch(BV: int, BK: int, num_warps: int, precision: str) -> dict:
+    """``kernels profile``'s launch settings of the verify kernel, checked before the rounds are built
+    (Triton's compiler would refuse them later, on the GPU only, as a traceback): the block sizes enter
+    ``tl.arange``, which takes powers of two, ``BK`` is the reduction dimension of ``tl.dot`` (at least
+    16 on NVIDIA GPUs), and Triton launches a power of two of warps, at most 32 in a CUDA block."""
+    from vllm_hybridspec.kernels.gdn.verify import PRECISIONS
+
+    _power_of_two(BV, "--BV")
+    _power_of_two(BK, "--BK", low=16, why=" (the reduction dimension of tl.dot)")
+    _power_of_two(num_warps, "--num-warps", high=32)
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return dict(BV=BV, BK=BK, num_warps=num_warps, precision=precision)
+
+
 def _needs_cuda(what: str) -> None:
     import torch
 
@@ -69,10 +97,17 @@ def _cpu_notice() -> None:
                    "--shape tiny takes seconds, the 35B shape a long time")
 
 
+def _write(path: Path, text: str) -> None:
+    """Beside ``path`` and renamed: a run stopped while writing leaves the earlier file, not half of it."""
+    from vllm_hybridspec.policy.files import write_text_atomic
+
+    write_text_atomic(path, text)
+    typer.echo(f"wrote {path}")
+
+
 def _write_json(path: Path | None, data) -> None:
     if path is not None:
-        path.write_text(json.dumps(data, indent=1))
-        typer.echo(f"wrote {path}")
+        _write(path, json.dumps(data, indent=1))
 
 
 @kernels_app.command("compare")
@@ -94,9 +129,11 @@ def compare(
     float64. Without CUDA: the accuracy check only."""
     from . import gdn_compare, report
 
-    ws, bs = _lengths(lengths), int_list(batches, "batches")
+    sh, ws, bs = _shape(shape), _lengths(lengths), int_list(batches, "batches")
+    _output(out, "--out")
+    _output(json_out, "--json")
     _cpu_notice()
-    result = gdn_compare.run(_shape(shape), ws, bs, samples=samples, tune=tune, tune_recurrent=tune_recurrent,
+    result = gdn_compare.run(sh, ws, bs, samples=samples, tune=tune, tune_recurrent=tune_recurrent,
                              ours_only=ours_only)
     flags = {"--no-tune": not tune, "--tune-recurrent": tune_recurrent, "--ours-only": ours_only,
              f"--out {out}": out, f"--json {json_out}": json_out}
@@ -106,8 +143,7 @@ def compare(
     failed = result.pop("failed")
     _write_json(json_out, dict(result, results=report.raw_results(result["results"])))
     if result["results"] and out is not None:
-        out.write_text(report.render_markdown(result["meta"], result["accuracy"], result["results"]))
-        typer.echo(f"wrote {out}")
+        _write(out, report.render_markdown(result["meta"], result["accuracy"], result["results"]))
     if failed:
         typer.echo(f"ACCURACY CHECK FAILED at (kernel, w, B) = {failed}", err=True)
         raise typer.Exit(1)
@@ -127,6 +163,7 @@ def render(
     library's current rule)."""
     from .report import render_file
 
+    _output(out, "--out")
     try:
         text = render_file(run_json)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
@@ -135,8 +172,7 @@ def render(
     if out is None:
         typer.echo(text, nl=False)
     else:
-        out.write_text(text)
-        typer.echo(f"wrote {out}")
+        _write(out, text)
 
 
 @kernels_app.command("fused")
@@ -157,6 +193,7 @@ def fused(
     from . import fused_round
 
     sh, bs, ws = _shape(shape), int_list(batches, "batches"), _lengths(lengths)
+    _output(json_out, "--json")
     if tune:
         _needs_cuda("kernels fused --tune")
         from .tune import tune_fused
@@ -189,10 +226,12 @@ def tune(
 ) -> None:
     """Launch sweep of the commit, the chunkwise verify and the recurrent verify alone, each at the
     lengths and batches where the comparison misses its targets (CUDA only)."""
+    sh = _shape(shape)
+    _output(out, "--out")
     _needs_cuda("kernels tune")
     from .tune import sweep_parts
 
-    sweep_parts(_shape(shape), out, samples)
+    sweep_parts(sh, out, samples)
 
 
 @kernels_app.command("profile")
@@ -200,18 +239,19 @@ def profile(
     shape: str = SHAPE,
     batch: int = typer.Option(1, "--batch", "-B", min=1, help="sequences per round"),
     length: int = typer.Option(16, "--length", "-w", min=1, max=16, help="round length w"),
-    BV: int = typer.Option(64, "--BV", help="value rows per program"),
-    BK: int = typer.Option(64, "--BK", help="key chunk"),
-    num_warps: int = typer.Option(4, help="warps per program"),
-    precision: str = typer.Option("tf32x3", help="tl.dot input precision: tf32x3, tf32 or ieee"),
+    BV: int = typer.Option(64, "--BV", help="value rows per program (a power of two)"),
+    BK: int = typer.Option(64, "--BK", help="key chunk (a power of two >= 16)"),
+    num_warps: int = typer.Option(4, help="warps per program (a power of two, at most 32)"),
+    precision: str = typer.Option("tf32x3", help="tl.dot input precision: tf32x3, tf32, ieee or auto (tf32x3 "
+                                  "for fp32 inputs, tf32 for bf16)"),
     rounds: int = typer.Option(4, min=1, help="rounds of verify + commit"),
 ) -> None:
     """A few rounds of our verify + commit (one layer) for Nsight Compute, then the verify kernel's
     registers and spills."""
     from .profile import profile as run_profile
 
-    launch = dict(BV=BV, BK=BK, num_warps=num_warps, precision=precision)
-    kernels = run_profile(_shape(shape), batch, length, launch, rounds=rounds)
+    sh, launch = _shape(shape), _launch(BV, BK, num_warps, precision)
+    kernels = run_profile(sh, batch, length, launch, rounds=rounds)
     for regs, spills in kernels:
         typer.echo(f"verify kernel: registers {regs} spills {spills}")
     if not kernels:
@@ -232,10 +272,11 @@ def draft_round(
     """One H-Spec drafting round at the Qwen3.6-35B-A3B shape (vLLM-free, random bf16 weights): the
     drafter's layers, the LM head, the Markov heads as torch ops and as the fused kernel, the whole
     round, each one CUDA graph, against the weight-read floor (CUDA only)."""
+    bs = int_list(batches, "batches")
+    _output(json_out, "--json")
     _needs_cuda("kernels draft-round")
     from . import draft_round as dr
 
-    bs = int_list(batches, "batches")
     result = dr.run(bs, capacity, samples, replays, tune)
     result["meta"]["command"] = (f"hybridspec kernels draft-round --batches {batches} --capacity {capacity} "
                                  f"--samples {samples} --replays {replays}" + (" --tune" if tune else "")

@@ -69,24 +69,27 @@ def sweep_parts(shape: Shape, out: Path, samples: int = 15) -> dict:
     """Every candidate of :data:`COMMIT`, :data:`CHUNK`, :data:`RECURRENT` at its :data:`CASES`; one JSON
     line ``{"part", "w", "B", "cfg", "ms"}`` per measurement to ``out``; returns the fastest
     ``{(part, w, B): (cfg, ms)}``."""
+    from vllm_hybridspec.policy.files import write_text_atomic
+
     torch.backends.cuda.matmul.allow_tf32 = False
-    best = {}
-    with Path(out).open("w") as f:
-        for part, configs in (("commit", COMMIT), ("chunk", CHUNK), ("recurrent", RECURRENT)):
-            timed = "commit" if part == "commit" else "verify"
-            for w, B in CASES[part]:
-                for cfg in configs:
-                    verify, commit = ({}, cfg) if part == "commit" else (cfg, {})
-                    ms = _or_none(f"{part} w={w} B={B} {cfg}", ours_ms, shape, B, w, timed, samples,
-                                  verify, commit)
-                    if ms is None:
-                        continue
-                    f.write(json.dumps(dict(part=part, w=w, B=B, cfg=cfg, ms=ms)) + "\n")
-                    f.flush()
-                    log(f"{part} w={w} B={B} {cfg}: {ms:.4f} ms")
-                    if (part, w, B) not in best or ms < best[part, w, B][1]:
-                        best[part, w, B] = (cfg, ms)
-                torch.cuda.empty_cache()
+    best, lines = {}, []
+    for part, configs in (("commit", COMMIT), ("chunk", CHUNK), ("recurrent", RECURRENT)):
+        timed = "commit" if part == "commit" else "verify"
+        for w, B in CASES[part]:
+            for cfg in configs:
+                verify, commit = ({}, cfg) if part == "commit" else (cfg, {})
+                ms = _or_none(f"{part} w={w} B={B} {cfg}", ours_ms, shape, B, w, timed, samples,
+                              verify, commit)
+                if ms is None:
+                    continue
+                lines.append(json.dumps(dict(part=part, w=w, B=B, cfg=cfg, ms=ms)) + "\n")
+                # the whole file again, beside and renamed, after every measurement: a sweep stopped
+                # midway leaves every line measured so far and never half a line
+                write_text_atomic(out, "".join(lines))
+                log(f"{part} w={w} B={B} {cfg}: {ms:.4f} ms")
+                if (part, w, B) not in best or ms < best[part, w, B][1]:
+                    best[part, w, B] = (cfg, ms)
+            torch.cuda.empty_cache()
     for (part, w, B), (cfg, ms) in best.items():
         log(f"best {part} w={w} B={B}: {cfg} {ms:.4f} ms")
     return best
