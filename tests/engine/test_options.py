@@ -109,6 +109,7 @@ def test_capture_paths_that_cannot_be_written_are_refused_at_config_time(tmp_pat
     ({"full_graph_lengths": []}, "hybridspec.full_graph_lengths=[]: give lengths in 1..num_speculative_tokens + 1"),
     ({"tp_broadcast": 1}, "tp_broadcast: Input should be a valid boolean (got 1)"),
     ({"drafter_cudagraphs": None}, "drafter_cudagraphs: Input should be a valid boolean (got None)"),
+    ({"drafter_compile": "yes"}, "drafter_compile: Input should be a valid boolean (got 'yes')"),
     ({"full_graph_spec_steps": "no"}, "full_graph_spec_steps: Input should be a valid boolean (got 'no')"),
     ({"gate": 0}, "gate: Input should be a valid boolean (got 0)"),
     ({"fixed_length": 3, "capture": "r.jsonl"}, '"capture" verifies every draft token; drop "select"/"fixed_length"'),

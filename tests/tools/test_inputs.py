@@ -313,6 +313,9 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
                                                      "'4,0'"),
     (["kernels", "draft-round", "--batches", "1,4", "--json", "{tmp}/none/d.json"],
      "--json '{tmp}/none/d.json': directory '{tmp}/none' does not exist; create it or write elsewhere"),
+    (["profile", "--model", DENSE, "--engine-args", '{"async_scheduling": true}', "--out", "{tmp}/p"],
+     "--engine-args key 'async_scheduling' is set by --async-scheduling here; give that flag (or leave it out) "
+     "instead"),
     (["profile", "--model", DENSE, "--speculative-config", "{", "--out", "{tmp}/p"],
      "--speculative-config is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
      "(char 1)): '{'"),

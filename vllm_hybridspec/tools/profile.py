@@ -117,6 +117,11 @@ def profile_command(
 
     spec = json_object(speculative_config, "speculative-config") or None
     ws = int_list(lengths, "lengths") if lengths else [None]
+    if "async_scheduling" in engine.engine_args:
+        # the flag is passed to vllm.LLM after --engine-args and decides how steps are timed (a sync
+        # after each, or none): the key would be overridden without a word
+        raise typer.BadParameter("--engine-args key 'async_scheduling' is set by --async-scheduling here; give "
+                                 "that flag (or leave it out) instead")
     output_path(out, "--out", directory=True)
     t0 = time.perf_counter()
     llm = LLM(**engine.llm_kwargs(speculative_config=spec, async_scheduling=async_scheduling,
