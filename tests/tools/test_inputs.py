@@ -175,6 +175,9 @@ OUTPUTS = [
     ("models", "--out-dir", "dir", [], True),
     ("models", "--work-dir", "dir", [], True),
     ("report", "--out-dir", "dir", ["{tmp}/r.json"], True),
+    ("spec-steps", "--out", "file", ["--model", DENSE, "--random-prompts"], True),
+    ("spec-steps-table", "--out", "file", ["--ours", "{tmp}/r.json", "--plain", "{tmp}/r.json", "--shape", "s",
+                                           "--command", "c"], False),
     ("kernels compare", "--out", "file", ["--shape", "tiny"], False),
     ("kernels compare", "--json", "file", ["--shape", "tiny"], False),
     ("kernels render", "--out", "file", ["{tmp}/r.json"], False),
@@ -415,3 +418,65 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path):
         assert "Traceback" not in run.stderr
     assert list(tmp_path.iterdir()) == []
 
+
+SAVED_STEPS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "h200-2026-12-04b" / "slice"
+
+
+def test_input_files_of_spec_steps_table(tmp_path):
+    """--ours, --plain and --vllm: existing files, each a spec-steps result (the fields the table reads,
+    typed), with a drafter (--ours, --vllm) or without (--plain); refused before the table is written."""
+    ours, plain, vllm = (SAVED_STEPS / f"{name}.json" for name in ("ours_full", "plain", "vllm15"))
+    out = tmp_path / "table.json"
+
+    def refusal(*args) -> str:
+        return refused_line(invoke("spec-steps-table", *args, "--shape", "s", "--command", "c", "--out", out))
+
+    missing = tmp_path / "none.json"
+    assert refusal("--ours", missing, "--plain", plain) == (
+        f"--ours '{missing}' does not exist; expected the spec-steps result of our engine")
+    assert refusal("--ours", ours, "--plain", tmp_path) == (
+        f"--plain '{tmp_path}' is a directory; expected a spec-steps result of plain decoding (no "
+        "--speculative-config)")
+    assert refusal("--ours", ours, "--plain", plain, "--vllm", vllm, "--vllm", missing) == (
+        f"--vllm '{missing}' does not exist; expected a spec-steps result of vLLM's own GDN path")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": [')
+    assert refusal("--ours", bad, "--plain", plain) == f"{bad}: not valid JSON (Expecting value at line 1, column 11)"
+    bad.write_text('{"speculative_config": null}')
+    assert refusal("--ours", ours, "--plain", bad) == f"--plain '{bad}': required field 'rows' is missing"
+    bad.write_text('{"speculative_config": null, "rows": [{"B": 1, "ms": "3.3"}]}')
+    assert refusal("--ours", ours, "--plain", bad) == (
+        f"--plain '{bad}': field 'rows[0].ms': Input should be a valid number (got '3.3')")
+    bad.write_text('{"speculative_config": {"num_speculative_tokens": 0}, "rows": [{"B": 1, "w": 2, "ms": 3.3}]}')
+    assert refusal("--ours", ours, "--plain", plain, "--vllm", bad) == (
+        f"--vllm '{bad}': field 'speculative_config.num_speculative_tokens': Input should be greater than or equal "
+        "to 1 (got 0)")
+    assert refusal("--ours", plain, "--plain", plain) == (
+        f"--ours '{plain}' is plain decoding (speculative_config null); expected the spec-steps result of our engine")
+    assert refusal("--ours", ours, "--plain", vllm) == (
+        f"--plain '{vllm}' is a run with a speculative_config; expected a spec-steps result of plain decoding (no "
+        "--speculative-config)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+    # the saved H200 results pass and make the table the function makes of them
+    result = invoke("spec-steps-table", "--ours", ours, "--plain", plain, "--vllm", vllm, "--shape", "s",
+                    "--command", "c", "--out", out)
+    assert result.exit_code == 0, result.output
+    from vllm_hybridspec.tools.spec_steps import spec_steps_table
+
+    runs = [json.loads(p.read_text()) for p in (ours, plain, vllm)]
+    assert json.loads(out.read_text()) == spec_steps_table(runs[0], runs[1], [runs[2]], "s", "c")
+
+
+def test_a_spec_steps_table_that_fails_to_write_keeps_the_earlier_file(tmp_path, monkeypatch):
+    """spec-steps-table writes its --out beside and renamed: a failing write keeps the earlier table whole
+    and leaves no temporary file."""
+    import os
+
+    out = tmp_path / "table.json"
+    out.write_text('{"rows": []}\n')
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "No space left")))
+    result = invoke("spec-steps-table", "--ours", SAVED_STEPS / "ours_full.json", "--plain",
+                    SAVED_STEPS / "plain.json", "--shape", "s", "--command", "c", "--out", out)
+    assert result.exit_code == 1 and isinstance(result.exception, OSError)
+    assert out.read_text() == '{"rows": []}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["table.json"]

@@ -26,9 +26,12 @@ import time
 from pathlib import Path
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, int_list, json_object
-from vllm_hybridspec.tools.engine_args import prompt_options
+from vllm_hybridspec.policy.errors import InputError, describe
+from vllm_hybridspec.policy.files import read_json, write_text_atomic
+from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions, engine_options, input_file, int_list
+from vllm_hybridspec.tools.engine_args import json_object, output_path, prompt_options
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the runner is reachable
 
@@ -166,15 +169,66 @@ def spec_steps(
 ) -> None:
     """Per-step decode time and CUDA-graph mode at each verification length and batch size, one engine."""
     spec = json_object(speculative_config, "speculative-config") if speculative_config else None
+    ws, bs = int_list(lengths, "lengths"), int_list(batch_sizes, "batch-sizes")
+    output_path(out, "--out")  # before the engine starts; missing directories are made at the end
+    result = measure(engine, spec, ws, bs, prompts.load(engine.model), steps, warmup,
+                     progress=lambda line: typer.echo(line), untrimmed=untrimmed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = measure(engine, spec, int_list(lengths, "lengths"), int_list(batch_sizes, "batch-sizes"),
-                     prompts.load(engine.model), steps, warmup, progress=lambda line: typer.echo(line),
-                     untrimmed=untrimmed)
-    out.write_text(json.dumps(result, indent=1))
+    write_text_atomic(out, json.dumps(result, indent=1))
     typer.echo(f"wrote {out}")
 
 
 spec_steps = prompt_options(engine_options(spec_steps))
+
+
+class StepsRow(BaseModel):
+    """What :func:`spec_steps_table` reads of a row of a ``spec-steps`` result (the rest passes)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    B: int = Field(ge=1)
+    w: int | None = Field(default=None, ge=1)
+    ms: float = Field(ge=0)
+    trimmed: bool = True
+    graph_modes: dict[str, int] = Field(default_factory=dict)
+
+
+class StepsSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    num_speculative_tokens: int = Field(ge=1)
+
+
+class StepsResult(BaseModel):
+    """A ``hybridspec spec-steps`` result as the table reads it: the drafter (``null``: plain decoding)
+    and one row per (B, w)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    speculative_config: StepsSpec | None
+    rows: list[StepsRow] = Field(min_length=1)
+
+
+# each input of spec-steps-table: whether it is a run with a drafter, and what it should be
+STEPS_INPUTS = {"--ours": (True, "the spec-steps result of our engine"),
+                "--plain": (False, "a spec-steps result of plain decoding (no --speculative-config)"),
+                "--vllm": (True, "a spec-steps result of vLLM's own GDN path")}
+
+
+def read_steps(path: Path, option: str) -> dict:
+    """The ``spec-steps`` result in ``path``, given as ``option``: a file of the shape
+    :class:`StepsResult`, with a drafter or without as :data:`STEPS_INPUTS` says (the table matches
+    rows by the drafter's K and reads plain decoding's one row per B); ``typer.BadParameter`` naming
+    the option and the file otherwise."""
+    speculative, what = STEPS_INPUTS[option]
+    try:
+        data = read_json(path, f"{option} file")
+        result = StepsResult.model_validate(data)
+    except InputError as e:
+        raise typer.BadParameter(str(e)) from None
+    except ValidationError as e:
+        raise typer.BadParameter(str(describe(e, f"{option} '{path}'", StepsResult))) from None
+    if speculative != (result.speculative_config is not None):
+        run = "plain decoding (speculative_config null)" if speculative else "a run with a speculative_config"
+        raise typer.BadParameter(f"{option} '{path}' is {run}; expected {what}")
+    return data
 
 
 def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str) -> dict:
@@ -215,7 +269,11 @@ def spec_steps_table_command(
     out: Path = typer.Option(..., help="the table JSON to write"),
 ) -> None:
     """Merge spec-steps results into the spec-step table (``docs/benchmarks/spec_steps.json``)."""
-    load = lambda p: json.loads(Path(p).read_text())  # noqa: E731
-    table = spec_steps_table(load(ours), load(plain), [load(p) for p in vllm], shape, command)
-    out.write_text(json.dumps(table, indent=1) + "\n")
+    inputs = [("--ours", ours), ("--plain", plain), *(("--vllm", p) for p in vllm)]
+    for option, path in inputs:
+        input_file(path, option, STEPS_INPUTS[option][1])
+    output_path(out, "--out", make_parents=False)
+    ours_run, plain_run, *vllm_runs = [read_steps(path, option) for option, path in inputs]
+    table = spec_steps_table(ours_run, plain_run, vllm_runs, shape, command)
+    write_text_atomic(out, json.dumps(table, indent=1) + "\n")
     typer.echo(f"wrote {out}")
