@@ -6,9 +6,9 @@ none: plain decoding) and ``"hybridspec": {"fixed_length": K + 1}``; for every b
 length ``w`` the proposer's selector verifies exactly ``w`` tokens per request (``w = 1``: drafting
 turned off, what the batch gate runs), ``B`` greedy requests decode, and after the warm-up the wall
 time of ``--steps`` calls of ``LLMEngine.step`` is divided by their number. With ``--untrimmed``, one
-more row per ``B`` verifies all ``K + 1`` tokens without the selector (``"trimmed": false``): vLLM
-schedules every draft and nothing waits for the selected counts on the host, where the ``w = K + 1``
-row of the selector reads them before each next step. Under async scheduling
+more row per ``B`` verifies all ``K + 1`` tokens without the selector (``"trimmed": false``), the cost
+of the selector's own work next to its ``w = K + 1`` row (vLLM schedules every draft either way; the
+selector's lengths are cut on the device, ``engine/length/cut.py``). Under async scheduling
 (the default of the engine: on for "hspec", "dflash" and plain decoding) a step's time is the
 pipelined time per step, which is what serving sees. The graph modes come from the runner's count of
 the modes its steps were dispatched to (``engine/length/graphs.py``).
