@@ -1,7 +1,8 @@
 """Run by ``test_tp_engine.py`` in a subprocess: one engine with tensor parallelism (vLLM's
 multiprocessing executor, which a pytest process cannot host), greedy generation on the given token-id
 prompts; prints one JSON line with the outputs, their top-2 tokens and log-probabilities at every
-position (``hybridspec compare``'s ``"top2"``) and the spec-decode counters."""
+position (``hybridspec compare``'s ``"top2"``), the spec-decode counters and each rank's selector and
+cut counters (``HybridSpecWorkerExtension.hybridspec_stats``)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def main() -> None:
     llm = LLM(model=args["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024, seed=0,
               tensor_parallel_size=args["tp"], distributed_executor_backend="mp", disable_log_stats=False,
-              mamba_ssm_cache_dtype="float32", speculative_config=args.get("speculative_config"))
+              mamba_ssm_cache_dtype="float32", speculative_config=args.get("speculative_config"),
+              worker_extension_cls="vllm_hybridspec.engine.length.control.HybridSpecWorkerExtension")
     params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num_") and not m.name.endswith("per_pos")}
+    ranks = llm.collective_rpc("hybridspec_stats") if args.get("speculative_config") else []
     print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters,
+                                  "ranks": ranks,
                                   "top2": [[top2_of(lp) for lp in o.outputs[0].logprobs] for o in outs]}), flush=True)
 
 

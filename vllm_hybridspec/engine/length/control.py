@@ -80,12 +80,17 @@ class HybridSpecWorkerExtension:
         return {"ok": True, "stats": self.hybridspec_stats()}
 
     def hybridspec_stats(self) -> dict:
-        """The selector's counters (rows verified at each length, steps, gated steps)."""
+        """The selector's counters (rows verified at each length, steps, gated steps) and the drafts the
+        rejection sampler saw after the device cut (``verified_drafts``)."""
         from vllm_hybridspec.engine.compat import worker_runner
+        from vllm_hybridspec.engine.length.cut import cut_of
         from vllm_hybridspec.engine.length.trimming import selector_of
 
-        selector = selector_of(worker_runner(self))
+        runner = worker_runner(self)
+        selector = selector_of(runner)
         if selector is None:
             return {}
         stats = selector.stats()
-        return {**stats, "rows_at_length": {str(w): n for w, n in stats["rows_at_length"].items()}}
+        cut = cut_of(runner)
+        return {**stats, "rows_at_length": {str(w): n for w, n in stats["rows_at_length"].items()},
+                "verified_drafts": int(cut.verified_drafts) if cut is not None else None}
