@@ -317,6 +317,45 @@ def test_symbols_the_device_cut_relies_on_keep_their_shape():
     assert "no_compile_layers" in {f.name for f in dataclasses.fields(forward_context.ForwardContext)}
 
 
+def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():
+    """``engine/length/gate.py``: vLLM's dynamic speculative decoding reads the schedule at scheduler
+    construction into ``dynamic_sd_lookup`` indexed by the step's request count; ``VllmConfig`` switches
+    such engines to PIECEWISE in one method called from ``__post_init__``; the runner's drafting entry
+    takes the scheduler output first and the spec metadata seventh; a step without spec decoding keeps
+    the sampled tokens for the next step's inputs in bookkeeping when no round set them."""
+    import dataclasses
+    import inspect
+    import re
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.vllm import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    assert params(Scheduler.__init__)[:2] == ["self", "vllm_config"]
+    init = inspect.getsource(inspect.unwrap(Scheduler.__init__))
+    assert "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(" in init
+    schedule = re.sub(r"\s+", "", inspect.getsource(Scheduler.schedule))
+    assert "num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(num_scheduled_tokens)]" in schedule
+    assert params(build_dynamic_sd_schedule_lookup) == [
+        "num_speculative_tokens_per_batch_size", "vllm_max_batch_size", "vllm_num_speculative_tokens"]
+    assert "num_speculative_tokens_per_batch_size" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert "num_spec_tokens_to_schedule" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "self._maybe_override_dynamic_sd_cudagraph_mode()" in inspect.getsource(VllmConfig.__post_init__)
+    assert params(GPUModelRunner.propose_draft_token_ids)[:8] == [
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata"]
+    bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "if self.input_batch.prev_sampled_token_ids is None:" in bookkeeping
+    assert "self.input_batch.prev_sampled_token_ids = sampled_token_ids" in bookkeeping
+    assert "instance_id" in {f.name for f in dataclasses.fields(VllmConfig)}
+
+
 def test_tp_all_gather_is_vllms_tensor_parallel_all_gather():
     import inspect
 

@@ -136,6 +136,35 @@ def test_gate_turns_drafting_off(target_dir, hspec_dir, plain, tmp_path):
     assert counters == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_drafting_switched_off_and_on_in_a_running_engine_reaches_the_scheduler(target_dir, hspec_dir, plain,
+                                                                               monkeypatch, request, scheduling):
+    """``LengthSelector.configure(drafting=False)`` on a running in-process engine sets its scheduler's
+    lookup to no drafts: the steps schedule none (vLLM's counters stay), nothing is cut on the host,
+    and the output is plain decoding's; ``configure()`` gives vLLM's static K back."""
+    from vllm_hybridspec.engine.length import trimming
+
+    if scheduling == "async":
+        request.getfixturevalue("async_scheduling")
+    host_trims = []
+    trim = trimming.trim_to_no_drafts
+    monkeypatch.setattr(trimming, "trim_to_no_drafts", lambda *a: host_trims.append(1) or trim(*a))
+    llm = make_llm(target_dir, spec(hspec_dir, fixed_length=K + 1), disable_log_stats=False)
+    assert runner_of(llm).use_async_scheduling == (scheduling == "async")
+    selector = drafter_of(llm).length_selector
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert scheduler.dynamic_sd_lookup is None
+    selector.configure(drafting=False)
+    assert scheduler.dynamic_sd_lookup[1:] == [0] * 8
+    check_greedy_identity(llm, plain, "drafting off through the scheduler")
+    off = vllm_counters(llm)
+    assert off["num_drafts"] <= NUM_PROMPTS and selector.gated_steps > 0 and not host_trims
+    selector.configure()
+    assert scheduler.dynamic_sd_lookup is None
+    check_greedy_identity(llm, plain, "drafting on again")
+    assert vllm_counters(llm)["num_drafts"] > off["num_drafts"] + NUM_PROMPTS
+
+
 def test_gate_on_at_small_batches_off_at_large(target_dir, hspec_dir, plain, tmp_path):
     """Requests of different max_tokens, so the batch shrinks: steps with 6 or more requests are
     gated off, smaller ones draft."""
@@ -281,11 +310,18 @@ def async_scheduling(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [{}, "policy", "gate"])
-def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path, async_scheduling, options):
+def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path, async_scheduling, options,
+                                          monkeypatch):
     """Verify-all (vLLM's own async path, the control), selected lengths, and the gate on half the
     batch sizes, all under the AsyncScheduler. vLLM's counters see K scheduled drafts per request
     and count the cut ones as rejected (the documented metrics caveat); the selector's and the cut's
-    are exact."""
+    are exact. The gate is the scheduler's: its lookup is the policy's table and no step had drafts
+    to take out on the host."""
+    from vllm_hybridspec.engine.length import trimming
+
+    host_trims = []
+    trim = trimming.trim_to_no_drafts
+    monkeypatch.setattr(trimming, "trim_to_no_drafts", lambda *a: host_trims.append(1) or trim(*a))
     if options == "policy":
         options = {"policy": confidence_policy(tmp_path / "p.json")}
     elif options == "gate":
@@ -305,6 +341,8 @@ def test_async_scheduling_greedy_identity(target_dir, hspec_dir, plain, tmp_path
         rows = stats["rows_at_length"]
         if "gate" in str(options):
             assert 0 < stats["gated_steps"] < stats["steps"]
+            lookup = llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+            assert lookup[1:] == [K] * 5 + [0] * 3 and not host_trims
         else:
             assert rows.get(1, 0) > 0 and sum(n for w, n in rows.items() if w >= 3) > 0
         # the target verified exactly the selected drafts, not the K the scheduler reserved

@@ -24,6 +24,7 @@ from vllm_hybridspec.engine.compat import (
     wrap_once,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
+from vllm_hybridspec.engine.length.gate import scheduler_schedule
 from vllm_hybridspec.engine.options import (
     ADDITIONAL_CONFIG_KEY,
     parse_options,
@@ -78,6 +79,9 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_f
     problem = vllm_gdn_path_problem(options, k) if has_gdn_layers(getattr(target_model_config, "hf_config", None)) else None
     if problem is not None:
         raise ValueError(problem)
+    schedule = scheduler_schedule(options, k)  # the batch gate in vLLM's scheduler (length/gate.py)
+    if schedule is not None and spec.get("num_speculative_tokens_per_batch_size") is None:
+        spec["num_speculative_tokens_per_batch_size"] = schedule
     return spec, {**extra, ADDITIONAL_CONFIG_KEY: options.model_dump()}
 
 

@@ -29,6 +29,7 @@ from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, d
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
 from vllm_hybridspec.engine.length.cut import attach_cut
+from vllm_hybridspec.engine.length.gate import sync_scheduler
 from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.options import hybridspec_options
@@ -66,6 +67,7 @@ class RunnerDFlashProposer(DFlashProposer):
             if runner is not None:
                 attach_selector(runner, self.length_selector)
                 attach_cut(runner)
+                self.length_selector.on_configure = lambda sel: sync_scheduler(vllm_config, sel)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
         self.round_capture = None  # calibration records, with "hybridspec": {"capture": path}
         if options is not None and options.capture is not None:

@@ -9,8 +9,9 @@ host. They depend only on the drafter's outputs, never on the target's sampling,
 the sampling distribution are unchanged.
 
 The batch gate turns drafting off for a whole step when the policy's gate table says plain decoding
-is faster at this batch size: no drafter forward, every count 0, known on the host (``trimming.py``
-takes the drafts out of what vLLM schedules, without waiting for anything).
+is faster at this batch size: no drafter forward, every count 0, known on the host. vLLM's scheduler
+applies the same table where it can (``gate.py``), so the step schedules no draft; elsewhere
+``trimming.py`` takes the drafts out of what vLLM schedules, without waiting for anything.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class LengthSelector:
         self.length_counts = torch.zeros(self.k + 2, dtype=torch.int64, device=device)
         self.steps = 0
         self.gated_steps = 0
+        self.on_configure = None  # called with the selector after configure (gate.sync_scheduler)
         self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
         self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
         self.rows: dict[str, int] = {}  # request id -> its row of drafts and num_valid
@@ -83,6 +85,8 @@ class LengthSelector:
                              'not exact then (start the engine with the one-slot GDN layer, "gdn_kernel": true)')
         self._apply(options)
         self.drafting = drafting
+        if self.on_configure is not None:
+            self.on_configure(self)
 
     @property
     def active(self) -> bool:
@@ -144,9 +148,9 @@ class LengthSelector:
         return self.num_valid, self.rows
 
     def gated_step(self, drafts) -> bool:
-        """Whether ``drafts`` is the tensor of a gated step (``trimming.py`` takes them out of what
-        vLLM schedules)."""
-        return drafts is not None and drafts is self.drafts and self.gated_drafts
+        """Whether ``drafts`` is the tensor of a gated step with drafts to take out of what vLLM
+        schedules (``trimming.py``; a step the scheduler itself gated has none)."""
+        return drafts is not None and drafts is self.drafts and self.gated_drafts and drafts.shape[1] > 0
 
     def stats(self) -> dict[str, object]:
         """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""
