@@ -66,7 +66,7 @@ ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_bac
 
 case "$STAGE" in
 draftround)
-  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches 1,4,16,64 --tune \
+  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches ${BATCHES:-1,4,16} --tune \
     --json "$R/draft_round.json"
   grep -E "^\||^B=|read bandwidth|FAILED|Error" "$R/draftround.log" | tail -24
   ;;
@@ -151,9 +151,10 @@ slice|full35)
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
+  DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
+    --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
   run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \

@@ -22,6 +22,8 @@ probability is ``1 / Z`` and the entropy ``log Z - T / Z``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,7 @@ import triton.language as tl
 from .naive import DraftHeads
 
 DEFAULT_BV = 64  # vocabulary rows per tile
+DEFAULT_KEEP = 0  # tiles per program kept in L2 across positions (markov_heads: keep)
 PROGRAMS_PER_SM = 2
 
 
@@ -58,6 +61,40 @@ def _merge_partials(part_m, part_s, part_t, part_i, base, N, NB, NP: tl.constexp
 
 
 @triton.jit
+def _tile(logits, stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, o_n, m_n, tile, V, R,
+          HAS_MARKOV: tl.constexpr, RP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+          UPCAST: tl.constexpr, EVICT: tl.constexpr):
+    """One tile of ``BV`` vocabulary rows folded into the running summaries ``(m, s, t, i)``."""
+    o_v = tile * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    mask = m_n[:, None] & m_v[None, :]
+    x = tl.load(logits + o_n[:, None] * stride_ln + o_v[None, :] * stride_lv, mask=mask,
+                other=float("-inf")).to(tl.float32)  # [NP, BV]
+    if HAS_MARKOV:
+        o_r = tl.arange(0, RP)
+        w = tl.load(w2 + o_v[:, None] * stride_w2 + o_r[None, :], mask=m_v[:, None] & (o_r[None, :] < R),
+                    other=0.0, eviction_policy=EVICT)  # [BV, RP]
+        if UPCAST:
+            w = w.to(tl.float32)
+        x += tl.dot(e, tl.trans(w), input_precision=PREC)  # the Markov bias, fp32 accumulate
+        x = tl.where(mask, x, float("-inf"))
+    tile_m = tl.max(x, axis=1)
+    tile_i = (tl.argmax(x, axis=1) + tile * BV).to(tl.int32)
+    new_m = tl.maximum(run_m, tile_m)
+    ref = tl.where(new_m > float("-inf"), new_m, 0.0)
+    seen = run_m > float("-inf")
+    a = tl.where(seen, tl.exp(run_m - ref), 0.0)
+    d = tl.where(seen, run_m - ref, 0.0)
+    live = x > float("-inf")
+    xd = tl.where(live, x - ref[:, None], 0.0)
+    ex = tl.where(live, tl.exp(xd), 0.0)
+    run_t = a * (run_t + d * run_s) + tl.sum(ex * xd, axis=1)
+    run_s = a * run_s + tl.sum(ex, axis=1)
+    run_i = tl.where(tile_m > run_m, tile_i, run_i)
+    return new_m, run_s, run_t, run_i
+
+
+@triton.jit
 def _markov_position_kernel(
     logits, stride_ln, stride_lv,  # [N, V] rows of this position, in the LM head's dtype
     anchors,  # [N] int: the previous token at the first position
@@ -66,7 +103,7 @@ def _markov_position_kernel(
     tokens, top1, entropy, stride_on,  # [N, K] outputs: int64, fp32, fp32
     k, N, V, R, NB,
     FIRST: tl.constexpr, HAS_MARKOV: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, NBP: tl.constexpr,
-    BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr,
+    BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KEEP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     o_n = tl.arange(0, NP)
@@ -82,37 +119,26 @@ def _markov_position_kernel(
     if HAS_MARKOV:
         o_r = tl.arange(0, RP)
         e = tl.load(w1 + prev[:, None] * stride_w1 + o_r[None, :], mask=m_n[:, None] & (o_r[None, :] < R),
-                    other=0.0).to(tl.float32)  # [NP, RP]: W1[prev]
+                    other=0.0)  # [NP, RP]: W1[prev]
+        if UPCAST:
+            e = e.to(tl.float32)
 
     run_m = tl.full([NP], float("-inf"), tl.float32)
     run_s = tl.zeros([NP], tl.float32)
     run_t = tl.zeros([NP], tl.float32)
     run_i = tl.zeros([NP], tl.int32)
-    for j in range(TILES):
-        o_v = (pid * TILES + j) * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        mask = m_n[:, None] & m_v[None, :]
-        x = tl.load(logits + o_n[:, None] * stride_ln + o_v[None, :] * stride_lv, mask=mask,
-                    other=float("-inf")).to(tl.float32)  # [NP, BV]
-        if HAS_MARKOV:
-            w = tl.load(w2 + o_v[:, None] * stride_w2 + o_r[None, :], mask=m_v[:, None] & (o_r[None, :] < R),
-                        other=0.0).to(tl.float32)  # [BV, RP]
-            x += tl.dot(e, tl.trans(w), input_precision=PREC)  # the Markov bias, fp32 accumulate
-            x = tl.where(mask, x, float("-inf"))
-        tile_m = tl.max(x, axis=1)
-        tile_i = (tl.argmax(x, axis=1) + (pid * TILES + j) * BV).to(tl.int32)
-        new_m = tl.maximum(run_m, tile_m)
-        ref = tl.where(new_m > float("-inf"), new_m, 0.0)
-        seen = run_m > float("-inf")
-        a = tl.where(seen, tl.exp(run_m - ref), 0.0)
-        d = tl.where(seen, run_m - ref, 0.0)
-        live = x > float("-inf")
-        xd = tl.where(live, x - ref[:, None], 0.0)
-        ex = tl.where(live, tl.exp(xd), 0.0)
-        run_t = a * (run_t + d * run_s) + tl.sum(ex * xd, axis=1)
-        run_s = a * run_s + tl.sum(ex, axis=1)
-        run_i = tl.where(tile_m > run_m, tile_i, run_i)
-        run_m = new_m
+    if not HAS_MARKOV:
+        e = tl.zeros([NP, RP], tl.float32)
+    # the first KEEP tiles of each program's slice stay in L2 from one position to the next
+    # (evict_last); the rest stream through it (evict_first)
+    for j in range(KEEP):
+        run_m, run_s, run_t, run_i = _tile(
+            logits, stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, o_n, m_n, pid * TILES + j,
+            V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_last")
+    for j in range(KEEP, TILES):
+        run_m, run_s, run_t, run_i = _tile(
+            logits, stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, o_n, m_n, pid * TILES + j,
+            V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_first")
     offs = k * N * NB + o_n * NB + pid
     tl.store(part_m + offs, run_m, mask=m_n)
     tl.store(part_s + offs, run_s, mask=m_n)
@@ -144,7 +170,7 @@ def launch_config(V: int, device: torch.device, BV: int = DEFAULT_BV, programs: 
 
 def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor | None = None,
                  w2: torch.Tensor | None = None, *, BV: int = DEFAULT_BV, programs: int | None = None,
-                 num_warps: int = 4) -> DraftHeads:
+                 num_warps: int = 4, keep: int = DEFAULT_KEEP, num_stages: int | None = None) -> DraftHeads:
     """The draft heads of :func:`.naive.markov_heads_reference` in ``K + 1`` launches.
 
     ``logits`` ``[N, K, V]`` in the LM head's dtype (rows may be strided, the vocabulary must be the
@@ -153,7 +179,13 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     float32 and never rounded to the weights' dtype: the weights are upcast in registers and
     multiplied as TF32 (exact for bfloat16 and float16 values) or, for float32 weights, IEEE float32.
     Returns ``tokens`` ``[N, K]`` int64, ``top1_prob`` and ``entropy`` ``[N, K]`` float32. Every
-    launch is capturable in a CUDA graph (no host reads)."""
+    launch is capturable in a CUDA graph (no host reads).
+
+    ``keep``: tiles of ``W2`` per program read with ``evict_last``, so that ``programs * keep * BV``
+    rows stay in L2 from one position to the next (the other rows stream with ``evict_first``).
+    bfloat16 / float16 weights enter ``tl.dot`` as they are on GPUs (their products are exact in
+    the float32 accumulator) and as float32 under Triton's interpreter, whose low-precision dot is
+    not usable."""
     if (w1 is None) != (w2 is None):
         raise ValueError("give both Markov weights (w1 and w2) or neither")
     N, K, V = logits.shape
@@ -177,13 +209,16 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     RP = max(16, triton.next_power_of_2(R))
     NBP = max(2, triton.next_power_of_2(NB))
     prec = "ieee" if has_markov and w1.dtype == torch.float32 else "tf32"
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" or not logits.is_cuda
+    keep = max(0, min(keep, cfg["TILES"]))
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     for k in range(K):
         row = logits[:, k]
         _markov_position_kernel[(NB,)](
             row, row.stride(0), row.stride(1), anchors, w1_, w2_, w1_.stride(0), w2_.stride(0),
             parts[0], parts[1], parts[2], part_i, tokens, top1, entropy, tokens.stride(0),
             k, N, V, R, NB, FIRST=k == 0, HAS_MARKOV=has_markov, NP=NP, RP=RP, NBP=NBP, PREC=prec,
-            num_warps=num_warps, **cfg)
+            UPCAST=upcast, KEEP=keep, num_warps=num_warps, **stages, **cfg)
     _markov_last_kernel[(1,)](parts[0], parts[1], parts[2], part_i, tokens, top1, entropy, tokens.stride(0),
                               K - 1, N, NB, NP=NP, NBP=NBP, num_warps=num_warps)
     return DraftHeads(tokens, top1, entropy)

@@ -41,7 +41,11 @@ from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference,
 from .timing import graph_ms, log, read_bandwidth
 
 TIE_GAP, TOP1_ATOL, ENTROPY_ATOL = 1e-4, 2e-6, 2e-5
-TUNE_GRID = dict(BV=(32, 64, 128), programs_per_sm=(1, 2, 4), num_warps=(4, 8))
+# launch candidates of the fused heads for --tune: (BV, programs per SM, warps, L2-kept tiles per
+# program, pipeline stages or None for Triton's default); 2 programs of 15 tiles of 64 rows per SM
+# cover the 248,320-row W2, and 4 or 5 kept tiles hold 33-41 MB of it in the H200's 50 MB L2
+TUNE_GRID = [(64, 2, 4, keep, stages) for keep in (0, 3, 4, 5) for stages in (None, 2, 4)] + [
+    (128, 1, 8, 0, None), (128, 1, 8, 2, None), (32, 4, 4, 0, None), (32, 4, 4, 6, None)]
 
 
 def build_drafter(device: torch.device, layers: int = 4, block_size: int = 16, markov_rank: int = 256,
@@ -216,13 +220,15 @@ def check(r: Round) -> list[str]:
 def tune_heads(r: Round, samples: int, replays: int) -> tuple[dict, list[dict]]:
     sms = torch.cuda.get_device_properties(r.last_hidden.device).multi_processor_count
     rows = []
-    for BV, pps, warps in itertools.product(*TUNE_GRID.values()):
-        launch = dict(BV=BV, programs=pps * sms, num_warps=warps)
+    for BV, pps, warps, keep, stages in TUNE_GRID:
+        launch = dict(BV=BV, programs=pps * sms, num_warps=warps, keep=keep, num_stages=stages)
         t = graph_ms(lambda launch=launch: r.heads_fused(**launch), samples, replays)
-        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, ms=t.ms, iqr=t.iqr))
-        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps}: {t.ms:.4f} ms")
+        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, keep=keep, num_stages=stages,
+                         ms=t.ms, iqr=t.iqr))
+        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps} keep={keep} stages={stages}: {t.ms:.4f} ms")
     best = min(rows, key=lambda row: row["ms"])
-    return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"]), rows
+    return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"],
+                keep=best["keep"], num_stages=best["num_stages"]), rows
 
 
 def kernel_table(fn, top: int = 25) -> list[dict]:
@@ -275,9 +281,11 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
                 + f" ms; best round / floor {row['round_over_floor']:.2f}")
             if B in (1, 4):
-                row["kernels"] = kernel_table(r.round_fused)
-                for k in row["kernels"][:12]:
-                    log(f"    {k['us']:9.1f} us  {k['calls']:4d}x  {k['kernel']}")
+                for key, fn in (("kernels", r.round_fused), ("kernels_compiled", r.round_compiled)):
+                    row[key] = kernel_table(fn)
+                    log(f"  {key} (B={B}):")
+                    for k in row[key][:12]:
+                        log(f"    {k['us']:9.1f} us  {k['calls']:4d}x  {k['kernel']}")
             rows.append(row)
     meta["seconds"] = time.time() - t0
     return {"meta": meta, "failed": [], "rows": rows, "tune": tune_rows}
