@@ -93,11 +93,17 @@ class StepCut:
         keep = (t - start < w.index_select(0, row)) | (t >= ends[-1:])
         torch.where(keep, t, start, out=self.source)
 
-    def route(self, router_logits: torch.Tensor) -> torch.Tensor:
+    def route(self, router_logits: torch.Tensor, capturing: bool = False,
+              one_token_per_request: bool = False) -> torch.Tensor:
         """``router_logits`` ``[T, E]`` of the step's tokens: a cut token's row replaced by its row's
-        first token's (one gather; the identity when nothing is cut)."""
+        first token's (one gather; the identity when nothing is cut).
+
+        No gather where no token can be cut: an eager forward of a step that does not cut, or a CUDA
+        graph captured for one token per request (plain decoding's graphs, which drafting off
+        replays: every token is its row's first). Any other graph keeps the gather, since the steps
+        that replay it may cut."""
         T = router_logits.shape[0]
-        if T > self.source.shape[0]:
+        if T > self.source.shape[0] or (one_token_per_request if capturing else not self.active):
             return router_logits
         return router_logits.index_select(0, self.source[:T])
 
@@ -166,6 +172,16 @@ def cut_of_forward() -> StepCut | None:
     if not is_forward_context_available():
         return None
     return _BY_CONTEXT.get(id(get_forward_context().no_compile_layers))
+
+
+def one_token_per_request() -> bool:
+    """Whether the running forward has one token per request (``vllm.forward_context``'s
+    ``BatchDescriptor``: ``num_reqs`` given, as for full CUDA graphs, and equal to ``num_tokens``)."""
+    from vllm.forward_context import get_forward_context
+
+    descriptor = get_forward_context().batch_descriptor
+    return (descriptor is not None and descriptor.num_reqs is not None
+            and descriptor.num_tokens <= descriptor.num_reqs)
 
 
 def plan_step_cut(runner, scheduler_output) -> None:
@@ -244,7 +260,8 @@ def _routed_at_cut(original):
         # CPU and TPU platforms); there the tokens keep their own experts, which changes no output
         cut = None if torch.compiler.is_compiling() else cut_of_forward()
         if cut is not None:
-            router_logits = cut.route(router_logits)
+            capturing = router_logits.is_cuda and torch.cuda.is_current_stream_capturing()
+            router_logits = cut.route(router_logits, capturing, capturing and one_token_per_request())
         return original(self, hidden_states, router_logits, *args, **kwargs)
 
     return _apply_quant_method
