@@ -41,6 +41,7 @@ from vllm_hybridspec.engine.compat import (
     patch_runner_before_dummy_run,
     wrap_once,
 )
+from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch, route_tokens_torch
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
 
@@ -76,22 +77,15 @@ class StepCut:
         prev = self._prev_row.numpy()
         prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
         self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
-        idx = self._prev_row_dev[:n]
-        w = num_valid.index_select(0, idx.clamp(min=0)).to(torch.int32) + 1
-        self.w[:n] = torch.where(idx >= 0, w, NO_CUT)
-        self.route_tokens(query_start_loc, n, self.w)
+        plan = plan_cut if self.w.is_cuda else plan_cut_torch  # one launch on GPUs
+        plan(num_valid, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
         self.active = True
         self.steps_cut += 1
 
     def route_tokens(self, query_start_loc: torch.Tensor, n: int, w: torch.Tensor) -> None:
         """``source`` of every token: itself while its position in its row is below the row's ``w``
         (``[N]``, device), its row's first token past it; tokens past the step's last one keep theirs."""
-        t = self._tokens
-        ends = query_start_loc[1 : n + 1].to(torch.int64)
-        row = torch.searchsorted(ends, t, right=True).clamp_(max=n - 1)  # [T]
-        start = query_start_loc.to(torch.int64).index_select(0, row)
-        keep = (t - start < w.index_select(0, row)) | (t >= ends[-1:])
-        torch.where(keep, t, start, out=self.source)
+        route_tokens_torch(query_start_loc, n, w, self.source)
 
     def route(self, router_logits: torch.Tensor, capturing: bool = False,
               one_token_per_request: bool = False) -> torch.Tensor:
@@ -109,25 +103,12 @@ class StepCut:
 
     def bonus_at_cut(self, metadata, num_rows: int):
         """``(metadata with each row's bonus index at its cut, v [N])``: ``v`` the drafts verified
-        per row (``min(w - 1, drafts scheduled)``)."""
+        per row (``min(w - 1, drafts scheduled)``, ``kernels.cut.bonus_at_cut``)."""
         from dataclasses import replace
 
-        cu = metadata.cu_num_draft_tokens  # [N] int32, device
-        drafts = torch.diff(cu, prepend=cu.new_zeros(1))
-        v = torch.minimum(self.w[:num_rows] - 1, drafts)
-        self.verified_drafts += v.sum()
-        return replace(metadata, bonus_logits_indices=metadata.bonus_logits_indices - (drafts - v)), v
-
-
-def end_rows_at_cut(token_ids: torch.Tensor, bonus: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The rejection sampler's ``token_ids`` ``[N, 1 + max drafts]`` (``-1`` past each row's tokens)
-    for rows that verify only their first ``v`` drafts: a row that accepted at least ``v`` ends with
-    ``bonus`` (``[N]`` or ``[N, 1]``) at position ``v``; a row rejected before ``v`` is unchanged."""
-    cols = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
-    accepted = (token_ids != -1).sum(dim=1, keepdim=True) - 1
-    full = accepted >= v[:, None]
-    token_ids = torch.where(full & (cols == v[:, None]), bonus.reshape(-1, 1).to(token_ids.dtype), token_ids)
-    return torch.where(full & (cols > v[:, None]), token_ids.new_full((), -1), token_ids)
+        bonus, v = bonus_at_cut(metadata.cu_num_draft_tokens, self.w[:num_rows], metadata.bonus_logits_indices,
+                                self.verified_drafts)
+        return replace(metadata, bonus_logits_indices=bonus), v
 
 
 def cuts_nothing(sampling_metadata) -> bool:
