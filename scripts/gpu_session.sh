@@ -152,6 +152,7 @@ slice|full35)
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
+  [ "${FUSED_NORMS:-0}" = 1 ] && DC="$DC \"drafter_fused_norms\": true,"  # FUSED_NORMS=1: one kernel per RMS norm
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \

@@ -1,6 +1,6 @@
 """``hybridspec kernels draft-round`` without a GPU: at a tiny shape, its accuracy checks pass (the
 torch heads and the fused kernel through Triton's interpreter against float64 on the round's own
-logits; the compiled layers against the eager ones), both rounds draft the same tokens, and the floor
+logits; the compiled and the fused-norm layers against the eager ones), the rounds draft the same tokens, and the floor
 counts every weight the round reads."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
     with torch.inference_mode():
         tokens, top1, ent = r.round_torch()
         fused = r.round_fused()
-    assert torch.equal(tokens, fused.tokens)
+        fused_norms = r.round_fused_norms()
+    assert torch.equal(tokens, fused.tokens) and torch.equal(tokens, fused_norms.tokens)
     assert torch.allclose(top1, fused.top1_prob, atol=2e-6) and torch.allclose(ent, fused.entropy, atol=2e-5)
     nbytes = dr.round_bytes(model, 3, 40)
     mh = model.markov_head
