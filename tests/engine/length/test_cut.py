@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_hybridspec.engine.length.cut import NO_CUT, StepCut, cuts_nothing, end_rows_at_cut
+from vllm_hybridspec.kernels.cut import route_tokens_torch
 
 from ...seeds import fresh_seed
 
@@ -33,7 +34,7 @@ def test_route_tokens_sends_each_cut_token_to_its_rows_first_token():
     cut = StepCut(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"), pin=False)
     spec, lens, qsl = random_step(gen, n, k)
     w = torch.where(spec, torch.randint(1, k + 2, (n,), generator=gen), NO_CUT).to(torch.int32)
-    cut.route_tokens(qsl, n, w)
+    route_tokens_torch(qsl, n, w, cut.source)
     want = list(range(256))
     for r in range(n):
         for j in range(int(lens[r])):
@@ -118,7 +119,7 @@ def test_plan_gathers_each_rows_length_by_request_id():
     nv = dict(zip(prev_ids, num_valid.tolist()))
     assert cut.w[:n].tolist() == [nv["d"] + 1, nv["a"] + 1, NO_CUT, nv["e"] + 1, NO_CUT]
     assert cut.active and cut.steps_cut == 1
-    cut.route_tokens(qsl, n, cut.w)
+    route_tokens_torch(qsl, n, cut.w, cut.source)
     assert int((cut.source[: int(qsl[-1])] != torch.arange(int(qsl[-1]))).sum()) == sum(
         k + 1 - (nv[r] + 1) for r in ("d", "a", "e"))
 

@@ -41,7 +41,7 @@ from vllm_hybridspec.engine.compat import (
     patch_runner_before_dummy_run,
     wrap_once,
 )
-from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch, route_tokens_torch
+from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
 
@@ -81,11 +81,6 @@ class StepCut:
         plan(num_valid, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
         self.active = True
         self.steps_cut += 1
-
-    def route_tokens(self, query_start_loc: torch.Tensor, n: int, w: torch.Tensor) -> None:
-        """``source`` of every token: itself while its position in its row is below the row's ``w``
-        (``[N]``, device), its row's first token past it; tokens past the step's last one keep theirs."""
-        route_tokens_torch(query_start_loc, n, w, self.source)
 
     def route(self, router_logits: torch.Tensor, capturing: bool = False,
               one_token_per_request: bool = False) -> torch.Tensor:
