@@ -141,6 +141,8 @@ def piecewise_spec_steps(vllm_config) -> bool:
 
 
 def _piecewise_before_resolving(original):
+    # composes with engine/length/graphs.py's wrapper of the same method in either order: this one acts
+    # before vLLM resolves the graph mode, that one after it (keys for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         piecewise_spec_steps(self.vllm_config)
         return original(self, *args, **kwargs)
