@@ -308,15 +308,18 @@ def test_steps_without_rounds_leave_the_empty_device_plan_as_it_is():
     rounds._host.copy_(sentinel)
     plan_for(rounds, *no_rounds)
     assert torch.equal(rounds._host, sentinel), "a step without rounds rewrote the host plan"
-    assert torch.equal(rounds.plan_dev, empty)
+    assert torch.equal(rounds.plan_dev, empty) and rounds.quiet  # the runner skips planning such steps
     step = plan_for(rounds, [2, 2], [3, 3], [9, 9], [7, 4])
     assert step.rows == [0, 1] and not torch.equal(rounds.plan_dev, empty)
     assert rounds.pending_entry[:2].tolist() == [-1, -1] and len(rounds.pending) == 2
+    assert not rounds.quiet  # pending rounds: the next step must plan (and flush them)
     plan_for(rounds, [2, 2], [3, 3], [12, 12], [7, 4])  # the next round: the first ones are pending now
     assert (rounds.pending_entry[:2] >= 0).all()
     rounds.pending.clear()  # as if both requests finished: nothing to flush
+    assert not rounds.quiet  # a non-empty plan on the device
     plan_for(rounds, *no_rounds, req_ids=["r8", "r9"])
     assert torch.equal(rounds.plan_dev, empty), "the step after rounds kept a stale plan on the device"
+    assert rounds.quiet
     assert rounds.pending_m.tolist() == [0] * len(rounds.pending_m)
 
 

@@ -195,6 +195,16 @@ class PendingRounds:
         self._plan_is_empty = not layout.rows
         return layout
 
+    @property
+    def quiet(self) -> bool:
+        """Nothing pending and the empty plan on the device: a step without drafts needs no plan (the
+        slabs of requests that left are freed at the next planned step, before any is handed out)."""
+        return not self.pending and self._plan_is_empty
+
+    def idle_step(self) -> None:
+        """A step without drafts while :attr:`quiet`: what :meth:`plan` would leave, without its work."""
+        self.step = StepPlan()
+
     def _layout_rows(self, draft_counts, num_scheduled, num_computed) -> StepPlan:
         """The rows vLLM's GDN builder classes as spec decodes (``draft_counts >= 0`` when the batch
         has at least one draft, ``GDNAttentionMetadataBuilder.build``), then, when every other row is

@@ -77,6 +77,9 @@ def plan_step(runner, scheduler_output) -> None:
     rounds = ensure_rounds(runner)
     if rounds is None:
         return
+    if not scheduler_output.scheduled_spec_decode_tokens and rounds.quiet:
+        rounds.idle_step()  # drafting off or prefills only, nothing pending: no host work
+        return
     batch = runner.input_batch
     n = batch.num_reqs
     req_ids = list(batch.req_ids[:n])
