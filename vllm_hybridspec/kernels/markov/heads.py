@@ -245,7 +245,7 @@ def _column_merge_kernel(part_m, part_s, part_t, part_i, col_token, col_top1, co
 def _resolve_kernel(cand, col_token, col_top1, col_entropy,  # [N * C]: int64, int64, fp32, fp32
                     tokens, top1, entropy, stride_on,  # [N, K] outputs
                     first_unresolved,  # [N] int32 output
-                    N, K, C, M, NP: tl.constexpr, CP: tl.constexpr, PLANTED: tl.constexpr):
+                    N, C, M, K: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, PLANTED: tl.constexpr):
     """Walk each request's positions in order: position 0 is column 0; position ``k`` is the column
     whose candidate is the token drafted at ``k - 1``, until none is (``first_unresolved = k``, else
     ``K``). The request's ``C`` columns stay in registers, so a step is a compare and a select."""
@@ -423,5 +423,5 @@ def _candidate_heads(logits, anchors, w1, w2, M, cfg, NB, RP, NBP, prec, upcast,
         NBP=NBP)
     NPR = max(2, min(RESOLVE_ROWS, triton.next_power_of_2(N)))
     _resolve_kernel[(triton.cdiv(N, NPR),)](
-        cand, col_token, col_top1, col_entropy, tokens, top1, entropy, tokens.stride(0), first, N, K, C, M,
+        cand, col_token, col_top1, col_entropy, tokens, top1, entropy, tokens.stride(0), first, N, C, M, K=K,
         NP=NPR, CP=max(2, triton.next_power_of_2(C)), PLANTED=_PLANTED)
