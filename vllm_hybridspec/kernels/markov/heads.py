@@ -341,7 +341,7 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
         if first_unresolved.shape != (N,) or first_unresolved.dtype != torch.int32:
             raise ValueError(f"first_unresolved must be [N={N}] int32, got {tuple(first_unresolved.shape)} "
                              f"{first_unresolved.dtype}")
-        if not use_candidates:
+        if not use_candidates or N == 0 or K == 0:
             first_unresolved.fill_(K)
     if N == 0 or K == 0:
         return DraftHeads(tokens, top1, entropy)
