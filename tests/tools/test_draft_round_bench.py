@@ -1,7 +1,7 @@
 """``hybridspec kernels draft-round`` without a GPU: at a tiny shape, its accuracy checks pass (the
 torch heads and the fused kernel through Triton's interpreter against float64 on the round's own
-logits; the compiled and the fused-norm layers against the eager ones), the rounds draft the same tokens, and the floor
-counts every weight the round reads."""
+logits; the candidate heads likewise; the compiled and the fused-norm layers against the eager ones), the
+rounds draft the same tokens, and the floor counts every weight the round reads."""
 
 from __future__ import annotations
 
@@ -27,8 +27,13 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
         tokens, top1, ent = r.round_torch()
         fused = r.round_fused()
         fused_norms = r.round_fused_norms()
+        candidates = r.round_candidates()
     assert torch.equal(tokens, fused.tokens) and torch.equal(tokens, fused_norms.tokens)
     assert torch.allclose(top1, fused.top1_prob, atol=2e-6) and torch.allclose(ent, fused.entropy, atol=2e-5)
+    assert torch.equal(candidates.tokens, fused.tokens)
+    assert torch.allclose(candidates.top1_prob, fused.top1_prob, atol=2e-6)
+    assert torch.allclose(candidates.entropy, fused.entropy, atol=2e-5)
+    assert 0.0 <= r.resolved() <= 1.0
     nbytes = dr.round_bytes(model, 3, 40)
     mh = model.markov_head
     assert nbytes["markov_w2"] == 7 * mh.markov_w2.weight.numel() * 4

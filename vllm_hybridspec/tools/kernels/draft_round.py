@@ -11,10 +11,15 @@ them from the target's paged cache, a read of the same size). For each batch siz
 * ``heads_torch``: the Markov head as torch ops per position over float32 logits (what
   ``HSpecForVLLM.draft_heads`` runs on the CPU, and ran on CUDA before the kernel);
 * ``heads_fused``: ``kernels.markov.markov_heads`` over the bf16 logits;
-* ``round_torch`` / ``round_fused``: the three together, as the engine's round graph replays them;
+* ``heads_candidates``: the same with ``candidates = M`` (``--candidates``, 8 by default): one pass
+  over ``W2`` for every position through the top-M previous tokens, the per-position kernels only
+  past a request's first unresolved position; the fraction of positions 1 .. K-1 the candidates
+  resolved is logged and kept (``resolved``);
+* ``round_torch`` / ``round_fused`` / ``round_candidates``: layers, LM head and heads together, as the
+  engine's round graph replays them;
 * ``layers_fused_norms`` / ``round_fused_norms``: the layers with every RMS norm as one kernel
-  (``drafter.fused.fuse_norms``; what ``HSpecForVLLM.fused_norms`` runs in the engine), alone and with
-  the LM head and the fused heads;
+  (``drafter.fused.fuse_norms``; what ``"drafter_fused_norms": true`` runs in the engine), alone and
+  with the LM head and the fused heads;
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
   head and the fused heads;
@@ -23,7 +28,8 @@ them from the target's paged cache, a read of the same size). For each batch siz
   (:func:`.timing.read_bandwidth`).
 
 Before timing, at B = 4 the fused heads are checked against the float64 reference on the round's own
-logits (same tokens up to near-ties; signals within 2e-6 / 2e-5), the torch heads likewise, and the
+logits (same tokens up to near-ties; signals within 2e-6 / 2e-5), the candidate heads and the torch
+heads likewise, and the
 compiled layers' hidden states against the eager ones (relative error below 2e-2 in bf16); a failure
 stops the run. ``--tune`` also times the fused heads at every launch candidate and uses the
 fastest per B for the round.
@@ -44,6 +50,7 @@ from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference,
 from .timing import graph_ms, log, read_bandwidth
 
 TIE_GAP, TOP1_ATOL, ENTROPY_ATOL = 1e-4, 2e-6, 2e-5
+DEFAULT_CANDIDATES = 8  # candidate previous tokens per position of the candidate heads (--candidates)
 # launch candidates of the fused heads for --tune: (BV, programs per SM, warps, L2-kept tiles per
 # program, pipeline stages or None for Triton's default); 2 programs of 15 tiles of 64 rows per SM
 # cover the 248,320-row W2, and 4 or 5 kept tiles hold 33-41 MB of it in the H200's 50 MB L2
@@ -124,6 +131,8 @@ class Round:
         self.mask = request_block_mask(self.prefix_lens, capacity, L, cfg.sliding_window)
         self.hidden = self.logits = None
         self.launch: dict = {}
+        self.candidates = DEFAULT_CANDIDATES
+        self.first_unresolved = torch.empty(B, dtype=torch.int32, device=device)  # written in the graph
 
     def layers(self):
         m = self.model
@@ -157,6 +166,17 @@ class Round:
         return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
                             **(launch or self.launch))
 
+    def heads_candidates(self, **launch):
+        mh = self.model.markov_head
+        return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
+                            candidates=self.candidates, first_unresolved=self.first_unresolved,
+                            **(launch or self.launch))
+
+    def resolved(self) -> float:
+        """The fraction of positions 1 .. K-1 that the last candidate heads resolved (a host read)."""
+        K = self.L - 1
+        return float((self.first_unresolved.long() - 1).sum()) / max(1, self.B * (K - 1))
+
     def round_torch(self):
         self.layers()
         self.lm_head()
@@ -171,6 +191,11 @@ class Round:
         self.layers_fused_norms()
         self.lm_head()
         return self.heads_fused()
+
+    def round_candidates(self):
+        self.layers()
+        self.lm_head()
+        return self.heads_candidates()
 
     def round_compiled(self):
         self.layers_compiled()
@@ -215,7 +240,7 @@ def round_bytes(model, B: int, capacity: int) -> dict[str, int]:
 
 
 def check(r: Round) -> list[str]:
-    """The torch and fused heads on the round's own logits against the float64 reference."""
+    """The torch, fused and candidate heads on the round's own logits against the float64 reference."""
     mh = r.model.markov_head
     r.layers()
     r.lm_head()
@@ -226,7 +251,10 @@ def check(r: Round) -> list[str]:
     if int((margins >= TIE_GAP).sum()) < margins.numel() // 2:
         problems.append(f"only {int((margins >= TIE_GAP).sum())} of {margins.numel()} positions have a top-2 gap "
                         f"above {TIE_GAP}: the check would compare too little")
-    for name, (tokens, top1, ent) in (("torch", tuple(r.heads_torch())), ("fused", tuple(r.heads_fused()))):
+    heads = (("torch", tuple(r.heads_torch())), ("fused", tuple(r.heads_fused())),
+             ("candidates", tuple(r.heads_candidates())))
+    log(f"check B={r.B}: candidates (M = {r.candidates}) resolved {r.resolved():.3f} of positions 1..K-1")
+    for name, (tokens, top1, ent) in heads:
         for n, k in itertools.product(range(r.B), range(r.L - 1)):
             if margins[n, k] < TIE_GAP:
                 break
@@ -267,17 +295,19 @@ def kernel_table(fn, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
-def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0) -> dict:
+def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0,
+        candidates: int = DEFAULT_CANDIDATES) -> dict:
     t0 = time.time()
     device = torch.device("cuda")
     model = build_drafter(device)
     compile_block_forward(model)
     with torch.inference_mode():
         r = Round(model, 4, capacity, device, seed)
+        r.candidates = candidates
         problems = check(r) + check_compiled(r)
     meta = {"device": torch.cuda.get_device_name(), "capacity": capacity, "samples": samples, "replays": replays,
             "K": model.config.block_size - 1, "vocab": model.config.transformer_layer_config.vocab_size,
-            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers}
+            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers, "candidates": candidates}
     if problems:
         return {"meta": meta, "failed": problems, "rows": [], "tune": []}
     bw = read_bandwidth(samples)
@@ -287,6 +317,7 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
     with torch.inference_mode():
         for B in batches:
             r = Round(model, B, capacity, device, seed + B)
+            r.candidates = candidates
             r.layers()
             r.lm_head()
             if tune:
@@ -294,18 +325,21 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
                 tune_rows += part
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
             for part in ("layers", "layers_fused_norms", "layers_compiled", "lm_head", "heads_torch", "heads_fused",
-                         "round_torch", "round_fused", "round_fused_norms", "round_compiled"):
+                         "heads_candidates", "round_torch", "round_fused", "round_fused_norms", "round_candidates",
+                         "round_compiled"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
+            row["resolved"] = r.resolved()  # of the last replay of round_candidates
             nbytes = round_bytes(model, B, capacity)
             row["bytes"] = nbytes
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
             row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"],
-                                          row["round_compiled_ms"]) / row["floor_ms"]
+                                          row["round_candidates_ms"], row["round_compiled_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
-                + f" ms; best round / floor {row['round_over_floor']:.2f}")
+                + f" ms; best round / floor {row['round_over_floor']:.2f}; candidates (M = {candidates}) "
+                f"resolved {row['resolved']:.3f}")
             if B in (1, 4):
                 for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
-                                ("kernels_compiled", r.round_compiled)):
+                                ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates)):
                     row[key] = kernel_table(fn)
                     log(f"  {key} (B={B}):")
                     for k in row[key][:12]:
@@ -317,12 +351,14 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
 
 def format_table(rows: list[dict]) -> str:
     head = ("| B | layers | layers (fused norms) | layers (compiled) | LM head | heads (torch) | heads (fused) | "
-            "round (torch) | round (fused) | round (fused norms) | round (compiled layers) | floor | best / floor |")
-    lines = [head, "|" + "---|" * 13]
+            "heads (candidates) | resolved | round (torch) | round (fused) | round (fused norms) | "
+            "round (candidates) | round (compiled layers) | floor | best / floor |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_fused_norms_ms']:.3f} | "
                      f"{r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
-                     f"{r['heads_fused_ms']:.3f} | {r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | "
-                     f"{r['round_fused_norms_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['heads_fused_ms']:.3f} | {r['heads_candidates_ms']:.3f} | {r['resolved']:.3f} | "
+                     f"{r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | {r['round_fused_norms_ms']:.3f} | "
+                     f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{r['round_over_floor']:.2f} |")
     return "\n".join(lines)
