@@ -66,7 +66,9 @@ ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_bac
 
 case "$STAGE" in
 draftround)
-  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches ${BATCHES:-1,4,16} --tune \
+  # TUNE=1: the heads' launch sweep too (6.3 minutes at B = 1, 4, 16 with it, h200-2026-12-04c)
+  TUNEFLAG=''; [ "${TUNE:-0}" = 1 ] && TUNEFLAG=--tune
+  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches ${BATCHES:-1,4,16} $TUNEFLAG \
     --json "$R/draft_round.json"
   grep -E "^\||^B=|read bandwidth|FAILED|Error" "$R/draftround.log" | tail -24
   ;;
