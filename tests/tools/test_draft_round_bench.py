@@ -28,6 +28,14 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
         fused = r.round_fused()
         fused_norms = r.round_fused_norms()
         candidates = r.round_candidates()
+        both = r.round_compiled_candidates()
+        w1 = model.markov_head.markov_w1.weight.clone()
+        scaled = dr.scaled_markov(r, (0.5, 0.01), lambda fn: (fn(), 1.0)[1])
+    # the scaled runs leave the Markov weights as they were; a bias 100x smaller resolves every position
+    assert torch.equal(model.markov_head.markov_w1.weight, w1)
+    assert [x["scale"] for x in scaled] == [0.5, 0.01] and scaled[1]["resolved"] == 1.0
+    assert all(x["heads_candidates_ms"] == x["round_compiled_candidates_ms"] == 1.0 for x in scaled)
+    assert torch.equal(both.tokens, candidates.tokens)
     assert torch.equal(tokens, fused.tokens) and torch.equal(tokens, fused_norms.tokens)
     assert torch.allclose(top1, fused.top1_prob, atol=2e-6) and torch.allclose(ent, fused.entropy, atol=2e-5)
     assert torch.equal(candidates.tokens, fused.tokens)

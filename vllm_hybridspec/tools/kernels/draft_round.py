@@ -22,7 +22,10 @@ them from the target's paged cache, a read of the same size). For each batch siz
   with the LM head and the fused heads;
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
-  head and the fused heads;
+  head and the fused heads; ``round_compiled_candidates``: with the candidate heads instead;
+* ``--markov-scales``: the candidate heads and ``round_compiled_candidates`` again with the Markov
+  bias scaled down (random weights make it as large as the logits, so few positions resolve; a
+  trained head's bias is a correction), each with the fraction resolved (``scaled``);
 * ``floor``: the bytes a round must read (the drafter's own weights, the LM head once, the Markov
   ``W2`` once per position, the prefix K/V) over the read bandwidth measured in the same run
   (:func:`.timing.read_bandwidth`).
@@ -42,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -202,6 +206,11 @@ class Round:
         self.lm_head()
         return self.heads_fused()
 
+    def round_compiled_candidates(self):
+        self.layers_compiled()
+        self.lm_head()
+        return self.heads_candidates()
+
 
 def compile_block_forward(model) -> None:
     Round.compiled = torch.compile(model.block_forward, dynamic=True)
@@ -296,7 +305,7 @@ def kernel_table(fn, top: int = 25) -> list[dict]:
 
 
 def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0,
-        candidates: int = DEFAULT_CANDIDATES) -> dict:
+        candidates: int = DEFAULT_CANDIDATES, markov_scales: tuple[float, ...] = ()) -> dict:
     t0 = time.time()
     device = torch.device("cuda")
     model = build_drafter(device)
@@ -307,7 +316,8 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
         problems = check(r) + check_compiled(r)
     meta = {"device": torch.cuda.get_device_name(), "capacity": capacity, "samples": samples, "replays": replays,
             "K": model.config.block_size - 1, "vocab": model.config.transformer_layer_config.vocab_size,
-            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers, "candidates": candidates}
+            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers, "candidates": candidates,
+            "markov_scales": list(markov_scales)}
     if problems:
         return {"meta": meta, "failed": problems, "rows": [], "tune": []}
     bw = read_bandwidth(samples)
@@ -326,17 +336,22 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
             for part in ("layers", "layers_fused_norms", "layers_compiled", "lm_head", "heads_torch", "heads_fused",
                          "heads_candidates", "round_torch", "round_fused", "round_fused_norms", "round_candidates",
-                         "round_compiled"):
+                         "round_compiled", "round_compiled_candidates"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
-            row["resolved"] = r.resolved()  # of the last replay of round_candidates
+            row["resolved"] = r.resolved()  # of the last replay of round_compiled_candidates
+            row["scaled"] = scaled_markov(r, markov_scales, lambda fn: graph_ms(fn, samples, replays).ms)
             nbytes = round_bytes(model, B, capacity)
             row["bytes"] = nbytes
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
             row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"],
-                                          row["round_candidates_ms"], row["round_compiled_ms"]) / row["floor_ms"]
+                                          row["round_candidates_ms"], row["round_compiled_ms"],
+                                          row["round_compiled_candidates_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
                 + f" ms; best round / floor {row['round_over_floor']:.2f}; candidates (M = {candidates}) "
                 f"resolved {row['resolved']:.3f}")
+            for x in row["scaled"]:
+                log(f"B={B}: Markov bias x{x['scale']}: heads (candidates) {x['heads_candidates_ms']:.3f} ms, round "
+                    f"(compiled layers, candidates) {x['round_compiled_candidates_ms']:.3f} ms, resolved {x['resolved']:.3f}")
             if B in (1, 4):
                 for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
                                 ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates)):
@@ -347,6 +362,28 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             rows.append(row)
     meta["seconds"] = time.time() - t0
     return {"meta": meta, "failed": [], "rows": rows, "tune": tune_rows}
+
+
+def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], float]) -> list[dict]:
+    """The candidate heads with the Markov bias scaled by each of ``scales`` (``W1`` multiplied in place,
+    then restored): random weights make the bias as large as the LM head's logits, so the candidates
+    resolve few positions; a trained head's bias is a correction, which a smaller scale stands in
+    for. ``time_ms(fn)``: one call's time (CUDA graphs in :func:`run`); with the fraction of positions
+    1 .. K-1 resolved."""
+    w1 = r.model.markov_head.markov_w1.weight
+    original = w1.detach().clone()
+    out = []
+    try:
+        for s in scales:
+            w1.copy_(original * s)
+            row = {"scale": s}
+            for part in ("heads_candidates", "round_compiled_candidates"):
+                row[f"{part}_ms"] = time_ms(getattr(r, part))
+            row["resolved"] = r.resolved()
+            out.append(row)
+    finally:
+        w1.copy_(original)
+    return out
 
 
 def format_table(rows: list[dict]) -> str:
