@@ -153,6 +153,8 @@ class HSpecProposer(RunnerDFlashProposer):
             from vllm_hybridspec.drafter.fused import fuse_norms
 
             fuse_norms(self.model)
+        if options is not None:
+            self.model.candidate_heads = options.drafter_candidate_heads
         self.draft_graphs = None
         if drafter_graphs_enabled(self.vllm_config, self.device):
             self.draft_graphs = DraftGraphs(self.model, batch_buckets(self.vllm_config.scheduler_config.max_num_seqs))
