@@ -156,7 +156,7 @@ slice|full35)
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
-  [ "${FUSED_NORMS:-0}" = 1 ] && DC="$DC \"drafter_fused_norms\": true,"  # FUSED_NORMS=1: one kernel per RMS norm
+  [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"  # FUSED_NORMS=0: torch's RMS norms
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"  # CANDIDATES=M: the candidate heads
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
@@ -176,7 +176,7 @@ sliceprof)
      --gpu-mem 0.85 --engine-args "$SENG" --batch "${B:-1}" --warmup 8 --steps 12 --async-scheduling --trace)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'
-  [ "${FUSED_NORMS:-0}" = 1 ] && DC="$DC \"drafter_fused_norms\": true,"
+  [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"
   run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
