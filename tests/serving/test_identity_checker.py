@@ -5,6 +5,7 @@ otherwise excuse."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -36,6 +37,15 @@ def noisy_copy(run: GreedyRun, rng: random.Random, noise: float) -> GreedyRun:
     """The same outputs with every log-probability moved by up to ``noise``."""
     top2 = [[tuple((t, lp + rng.uniform(-noise, noise)) for t, lp in pos) for pos in row] for row in run.top2]
     return GreedyRun([list(p) for p in run.prompts], [list(r) for r in run.tokens], top2)
+
+
+def answering(asked: list, value: float):
+    """A ``router_margin`` that records the sequences it is asked about in ``asked`` and answers
+    ``value``."""
+    def router_margin(tokens):
+        asked.append(tokens)
+        return value
+    return router_margin
 
 
 def plant_tie(plain: GreedyRun, ours: GreedyRun, n: int, i: int, rng: random.Random, gap_plain: float,
@@ -101,12 +111,7 @@ def test_a_router_tie_excuses_only_below_the_router_bound(runs):
     rng, plain, ours = runs
     plant_tie(plain, ours, 2, 4, rng, gap_plain=2.0, gap_ours=1.5, swap_ours=False)
     asked = []
-
-    def margin(value):
-        def router_margin(tokens):
-            asked.append(tokens)
-            return value
-        return router_margin
+    margin = functools.partial(answering, asked)
 
     v = check_identity(ours, plain, "router tie", tie=TIE, min_identical=PROMPTS - 1,
                        router_margin=margin(ROUTER_TIE / 3))
@@ -169,12 +174,7 @@ def test_noise_after_a_router_tie_in_the_shared_prefix_is_excused_and_counts_as_
     for j in range(i, TOKENS):
         ours.top2[n][j] = tuple((t, lp - 3 * TIE) for t, lp in ours.top2[n][j])
     asked = []
-
-    def margin(value):
-        def router_margin(tokens):
-            asked.append(tokens)
-            return value
-        return router_margin
+    margin = functools.partial(answering, asked)
 
     v = check_identity(ours, plain, "router tie before noise", tie=TIE, min_identical=PROMPTS - 1,
                        router_margin=margin(ROUTER_TIE / 3))
