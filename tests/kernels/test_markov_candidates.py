@@ -47,7 +47,7 @@ def run(logits, anchors, w1, w2, M, **launch):
     (1, 7, 500, 16, torch.bfloat16, 8, dict(BV=32, programs=3)),
     (3, 5, 1000, 32, torch.float32, 8, dict(BV=32, programs=7, columns_per_program=16)),  # 3 column blocks
     (17, 3, 300, 8, torch.bfloat16, 4, dict(BV=16, programs=4)),  # R below a dot's minimum of 16
-    (4, 15, 256, 64, torch.float16, 8, dict(BV=64, programs=2, keep=2)),
+    (4, 15, 256, 64, torch.float16, 8, dict(BV=64, programs=2)),
 ])
 def test_a_small_bias_resolves_every_position_through_the_candidates(N, K, V, R, dtype, M, launch):
     gen = torch.Generator().manual_seed(fresh_seed("markov candidates"))

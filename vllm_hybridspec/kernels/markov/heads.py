@@ -36,7 +36,6 @@ import triton.language as tl
 from .naive import DraftHeads
 
 DEFAULT_BV = 64  # vocabulary rows per tile
-DEFAULT_KEEP = 0  # tiles per program kept in L2 across positions (markov_heads: keep)
 PROGRAMS_PER_SM = 2
 DEFAULT_CB = 128  # candidate columns per program of the candidate pass
 MERGE_ROWS = 16  # columns per program of the candidates' merge
@@ -117,7 +116,7 @@ def _markov_position_kernel(
     tokens, top1, entropy, stride_on,  # [N, K] outputs: int64, fp32, fp32
     k, N, V, R, NB,
     FIRST: tl.constexpr, HAS_MARKOV: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, NBP: tl.constexpr,
-    BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, KEEP: tl.constexpr,
+    BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     FALLBACK: tl.constexpr = False, PLANTED: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
@@ -157,13 +156,9 @@ def _markov_position_kernel(
         run_i = tl.zeros([NP], tl.int32)
         if not HAS_MARKOV:
             e = tl.zeros([NP, RP], tl.float32)
-        # the first KEEP tiles of each program's slice stay in L2 from one position to the next
-        # (evict_last); the rest stream through it (evict_first)
-        for j in range(KEEP):
-            run_m, run_s, run_t, run_i = _tile(
-                logits, o_n * stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, active,
-                pid * TILES + j, V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_last")
-        for j in range(KEEP, TILES):
+        # W2 streams through L2 (keeping a share of it there across positions was 4-8 % slower,
+        # docs/benchmarks/h200-2026-12-04c)
+        for j in range(TILES):
             run_m, run_s, run_t, run_i = _tile(
                 logits, o_n * stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, active,
                 pid * TILES + j, V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_first")
@@ -295,7 +290,7 @@ def launch_config(V: int, device: torch.device, BV: int = DEFAULT_BV, programs: 
 
 def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor | None = None,
                  w2: torch.Tensor | None = None, *, BV: int = DEFAULT_BV, programs: int | None = None,
-                 num_warps: int = 4, keep: int = DEFAULT_KEEP, num_stages: int | None = None,
+                 num_warps: int = 4, num_stages: int | None = None,
                  candidates: int = 0, columns_per_program: int = DEFAULT_CB, pass_warps: int = 8,
                  first_unresolved: torch.Tensor | None = None) -> DraftHeads:
     """The draft heads of :func:`.naive.markov_heads_reference` in ``K + 1`` launches, or with
@@ -309,8 +304,6 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     Returns ``tokens`` ``[N, K]`` int64, ``top1_prob`` and ``entropy`` ``[N, K]`` float32. Every
     launch is capturable in a CUDA graph (no host reads).
 
-    ``keep``: tiles of ``W2`` per program read with ``evict_last``, so that ``programs * keep * BV``
-    rows stay in L2 from one position to the next (the other rows stream with ``evict_first``).
     bfloat16 / float16 weights enter ``tl.dot`` as they are on GPUs (their products are exact in
     the float32 accumulator) and as float32 under Triton's interpreter, whose low-precision dot is
     not usable.
@@ -363,7 +356,6 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     NBP = max(2, triton.next_power_of_2(NB))
     prec = "ieee" if has_markov and w1.dtype == torch.float32 else "tf32"
     upcast = os.environ.get("TRITON_INTERPRET") == "1" or not logits.is_cuda
-    keep = max(0, min(keep, cfg["TILES"]))
     stages = {} if num_stages is None else {"num_stages": num_stages}
     first = anchors  # unused pointer on the plain path
     if use_candidates:
@@ -377,7 +369,7 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
             row, row.stride(0), row.stride(1), anchors, first, w1_, w2_, w1_.stride(0), w2_.stride(0),
             parts[0], parts[1], parts[2], part_i, tokens, top1, entropy, tokens.stride(0),
             k, N, V, R, NB, FIRST=k == 0, HAS_MARKOV=has_markov, NP=NP, RP=RP, NBP=NBP, PREC=prec,
-            UPCAST=upcast, KEEP=keep, FALLBACK=use_candidates, PLANTED=_PLANTED, num_warps=num_warps,
+            UPCAST=upcast, FALLBACK=use_candidates, PLANTED=_PLANTED, num_warps=num_warps,
             **stages, **cfg)
     if K > 1 or not use_candidates:
         _markov_last_kernel[(1,)](parts[0], parts[1], parts[2], part_i, first, tokens, top1, entropy,

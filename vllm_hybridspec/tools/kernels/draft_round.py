@@ -55,11 +55,9 @@ from .timing import graph_ms, log, read_bandwidth
 
 TIE_GAP, TOP1_ATOL, ENTROPY_ATOL = 1e-4, 2e-6, 2e-5
 DEFAULT_CANDIDATES = 8  # candidate previous tokens per position of the candidate heads (--candidates)
-# launch candidates of the fused heads for --tune: (BV, programs per SM, warps, L2-kept tiles per
-# program, pipeline stages or None for Triton's default); 2 programs of 15 tiles of 64 rows per SM
-# cover the 248,320-row W2, and 4 or 5 kept tiles hold 33-41 MB of it in the H200's 50 MB L2
-TUNE_GRID = [(64, 2, 4, keep, stages) for keep in (0, 3, 4, 5) for stages in (None, 2, 4)] + [
-    (128, 1, 8, 0, None), (128, 1, 8, 2, None), (32, 4, 4, 0, None), (32, 4, 4, 6, None)]
+# launch candidates of the fused heads for --tune: (BV, programs per SM, warps, pipeline stages or
+# None for Triton's default); 2 programs of 15 tiles of 64 rows per SM cover the 248,320-row W2
+TUNE_GRID = [(64, 2, 4, stages) for stages in (None, 2, 4)] + [(128, 1, 8, None), (32, 4, 4, None)]
 
 
 def build_drafter(device: torch.device, layers: int = 4, block_size: int = 16, markov_rank: int = 256,
@@ -279,15 +277,15 @@ def check(r: Round) -> list[str]:
 def tune_heads(r: Round, samples: int, replays: int) -> tuple[dict, list[dict]]:
     sms = torch.cuda.get_device_properties(r.last_hidden.device).multi_processor_count
     rows = []
-    for BV, pps, warps, keep, stages in TUNE_GRID:
-        launch = dict(BV=BV, programs=pps * sms, num_warps=warps, keep=keep, num_stages=stages)
+    for BV, pps, warps, stages in TUNE_GRID:
+        launch = dict(BV=BV, programs=pps * sms, num_warps=warps, num_stages=stages)
         t = graph_ms(lambda launch=launch: r.heads_fused(**launch), samples, replays)
-        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, keep=keep, num_stages=stages,
+        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, num_stages=stages,
                          ms=t.ms, iqr=t.iqr))
-        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps} keep={keep} stages={stages}: {t.ms:.4f} ms")
+        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps} stages={stages}: {t.ms:.4f} ms")
     best = min(rows, key=lambda row: row["ms"])
     return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"],
-                keep=best["keep"], num_stages=best["num_stages"]), rows
+                num_stages=best["num_stages"]), rows
 
 
 def kernel_table(fn, top: int = 25) -> list[dict]:
