@@ -66,9 +66,13 @@ ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_bac
 
 case "$STAGE" in
 draftround)
-  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches 1,4,16,64 --tune \
+  # TUNE=1: the heads' launch sweep too (6.3 minutes at B = 1, 4, 16 with it, h200-2026-12-04c)
+  TUNEFLAG=''; [ "${TUNE:-0}" = 1 ] && TUNEFLAG=--tune
+  # MARKOV_SCALES: the candidate heads with the Markov bias scaled down too (a trained head's correction)
+  MS=''; [ -n "${MARKOV_SCALES:-}" ] && MS="--markov-scales $MARKOV_SCALES"
+  run draftround python3 -m vllm_hybridspec.tools.kernels draft-round --batches ${BATCHES:-1,4,16} $TUNEFLAG $MS \
     --json "$R/draft_round.json"
-  grep -E "^\||^B=|read bandwidth|FAILED|Error" "$R/draftround.log" | tail -24
+  grep -E "^\||^B=|read bandwidth|FAILED|Error" "$R/draftround.log" | tail -30
   ;;
 kernels)
   run fused python3 -m vllm_hybridspec.cli kernels fused --json "$R/fused_round.json"
@@ -151,9 +155,12 @@ slice|full35)
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
      --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
+  DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
+  [ "${FUSED_NORMS:-0}" = 1 ] && DC="$DC \"drafter_fused_norms\": true,"  # FUSED_NORMS=1: one kernel per RMS norm
+  [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"  # CANDIDATES=M: the candidate heads
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
+    --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
   run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \
@@ -168,9 +175,12 @@ sliceprof)
   P=(--model $FS/target --load-format dummy --vocab 200000 --prompt-len 128 --max-model-len 2048 --max-num-seqs 4
      --gpu-mem 0.85 --engine-args "$SENG" --batch "${B:-1}" --warmup 8 --steps 12 --async-scheduling --trace)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
-  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,16 --out "$R/ours" \
-    --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
-  run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
+  DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'
+  [ "${FUSED_NORMS:-0}" = 1 ] && DC="$DC \"drafter_fused_norms\": true,"
+  [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
+    --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
+  [ "${PLAIN:-1}" = 1 ] && run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
   for f in "$R"/*/trace.json "$R"/*/*/trace.json; do [ -f "$f" ] && gzip -f "$f"; done
   for f in "$R"/ours/w*/ops.txt "$R"/plain/ops.txt; do [ -f "$f" ] && { echo "== $f"; sed -n '/Self CUDA/,+30p' "$f" | head -34 | cut -c1-200; }; done
   ;;

@@ -110,6 +110,8 @@ def test_capture_paths_that_cannot_be_written_are_refused_at_config_time(tmp_pat
     ({"tp_broadcast": 1}, "tp_broadcast: Input should be a valid boolean (got 1)"),
     ({"drafter_cudagraphs": None}, "drafter_cudagraphs: Input should be a valid boolean (got None)"),
     ({"drafter_compile": "yes"}, "drafter_compile: Input should be a valid boolean (got 'yes')"),
+    ({"drafter_fused_norms": 1}, "drafter_fused_norms: Input should be a valid boolean (got 1)"),
+    ({"drafter_candidate_heads": -1}, "drafter_candidate_heads: Input should be greater than or equal to 0 (got -1)"),
     ({"full_graph_spec_steps": "no"}, "full_graph_spec_steps: Input should be a valid boolean (got 'no')"),
     ({"gate": 0}, "gate: Input should be a valid boolean (got 0)"),
     ({"fixed_length": 3, "capture": "r.jsonl"}, '"capture" verifies every draft token; drop "select"/"fixed_length"'),

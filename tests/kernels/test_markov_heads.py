@@ -29,19 +29,19 @@ def random_case(gen, N, K, V, R, dtype, scale=3.0):
     return logits, anchors, w1, w2
 
 
-@pytest.mark.parametrize(("N", "K", "V", "R", "dtype", "programs"), [
-    (1, 7, 500, 16, torch.bfloat16, None),
-    (3, 5, 1000, 32, torch.float32, 7),  # several vocabulary slices per request, merged
-    (17, 3, 300, 8, torch.bfloat16, 3),  # NP = 32 padded requests; R below a dot's minimum of 16
-    (2, 4, 333, 0, torch.float32, 5),  # no Markov head
-    (4, 15, 129, 64, torch.float16, 2),
+@pytest.mark.parametrize(("N", "K", "V", "R", "dtype", "programs", "keep"), [
+    (1, 7, 500, 16, torch.bfloat16, None, 0),
+    (3, 5, 1000, 32, torch.float32, 7, 2),  # several vocabulary slices per request, merged; 2 kept tiles
+    (17, 3, 300, 8, torch.bfloat16, 3, 1),  # NP = 32 padded requests; R below a dot's minimum of 16
+    (2, 4, 333, 0, torch.float32, 5, 0),  # no Markov head
+    (4, 15, 129, 64, torch.float16, 2, 9),  # keep beyond the slice's tiles: every tile kept
 ])
-def test_heads_match_the_float64_reference(N, K, V, R, dtype, programs):
+def test_heads_match_the_float64_reference(N, K, V, R, dtype, programs, keep):
     gen = torch.Generator().manual_seed(fresh_seed("markov heads"))
     logits, anchors, w1, w2 = random_case(gen, N, K, V, R, dtype)
     ref = markov_heads_reference(logits, anchors, w1, w2)
     margins = top2_margins(logits, ref.tokens, anchors, w1, w2)
-    got = markov_heads(logits, anchors, w1, w2, BV=32, programs=programs)
+    got = markov_heads(logits, anchors, w1, w2, BV=32, programs=programs, keep=keep)
     assert got.tokens.dtype == torch.int64 and got.top1_prob.dtype == got.entropy.dtype == torch.float32
     assert mismatches(got, ref, margins) == []
     compared = int((margins >= TIE_GAP).sum())

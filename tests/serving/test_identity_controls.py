@@ -144,15 +144,18 @@ def test_hspec_at_a_fixed_length_under_async_scheduling_passes(models, prompts, 
 
 def plant_router_cuts_one_too_many(monkeypatch) -> None:
     """The planted "router cuts one more": each row's last verified token is routed to its anchor's
-    experts as if cut, while the sampler verifies it (``StepCut.route_tokens`` given ``w - 1``)."""
+    experts as if cut, while the sampler verifies it (the plan's router sources made from ``w - 1``;
+    ``kernels.cut.plan_cut_torch``, the CPU's plan)."""
     from vllm_hybridspec.engine.length import cut as cut_module
+    from vllm_hybridspec.kernels.cut import route_tokens_torch
 
-    route_tokens = cut_module.StepCut.route_tokens
+    plan = cut_module.plan_cut_torch
 
-    def route_one_short(self, query_start_loc, n, w):
-        route_tokens(self, query_start_loc, n, (w - 1).clamp(min=1))
+    def plan_one_short(num_valid, prev_row, qsl, n, w_out, source_out, no_cut):
+        plan(num_valid, prev_row, qsl, n, w_out, source_out, no_cut)
+        route_tokens_torch(qsl, n, (w_out - 1).clamp(min=1), source_out)
 
-    monkeypatch.setattr(cut_module.StepCut, "route_tokens", route_one_short)
+    monkeypatch.setattr(cut_module, "plan_cut_torch", plan_one_short)
 
 
 def plant_bonus_after_the_last_draft(monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """``hybridspec kernels draft-round`` without a GPU: at a tiny shape, its accuracy checks pass (the
 torch heads and the fused kernel through Triton's interpreter against float64 on the round's own
-logits; the compiled layers against the eager ones), both rounds draft the same tokens, and the floor
-counts every weight the round reads."""
+logits; the candidate heads likewise; the compiled and the fused-norm layers against the eager ones), the
+rounds draft the same tokens, and the floor counts every weight the round reads."""
 
 from __future__ import annotations
 
@@ -26,8 +26,22 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
     with torch.inference_mode():
         tokens, top1, ent = r.round_torch()
         fused = r.round_fused()
-    assert torch.equal(tokens, fused.tokens)
+        fused_norms = r.round_fused_norms()
+        candidates = r.round_candidates()
+        both = r.round_compiled_candidates()
+        w1 = model.markov_head.markov_w1.weight.clone()
+        scaled = dr.scaled_markov(r, (0.5, 0.01), lambda fn: (fn(), 1.0)[1])
+    # the scaled runs leave the Markov weights as they were; a bias 100x smaller resolves every position
+    assert torch.equal(model.markov_head.markov_w1.weight, w1)
+    assert [x["scale"] for x in scaled] == [0.5, 0.01] and scaled[1]["resolved"] == 1.0
+    assert all(x["heads_candidates_ms"] == x["round_compiled_candidates_ms"] == 1.0 for x in scaled)
+    assert torch.equal(both.tokens, candidates.tokens)
+    assert torch.equal(tokens, fused.tokens) and torch.equal(tokens, fused_norms.tokens)
     assert torch.allclose(top1, fused.top1_prob, atol=2e-6) and torch.allclose(ent, fused.entropy, atol=2e-5)
+    assert torch.equal(candidates.tokens, fused.tokens)
+    assert torch.allclose(candidates.top1_prob, fused.top1_prob, atol=2e-6)
+    assert torch.allclose(candidates.entropy, fused.entropy, atol=2e-5)
+    assert 0.0 <= r.resolved() <= 1.0
     nbytes = dr.round_bytes(model, 3, 40)
     mh = model.markov_head
     assert nbytes["markov_w2"] == 7 * mh.markov_w2.weight.numel() * 4

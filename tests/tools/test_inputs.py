@@ -314,6 +314,10 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
     (["kernels", "tune", "--shape", "7b", "--out", "{tmp}/t.jsonl"], "--shape must be one of 35b, tiny, got '7b'"),
     (["kernels", "draft-round", "--batches", "4,0"], "--batches must be comma-separated positive integers, got "
                                                      "'4,0'"),
+    (["kernels", "draft-round", "--markov-scales", "0.25,-1"], "--markov-scales must be comma-separated positive "
+                                                               "numbers, got '0.25,-1'"),
+    (["kernels", "draft-round", "--markov-scales", "nan"], "--markov-scales must be comma-separated positive "
+                                                           "numbers, got 'nan'"),
     (["kernels", "draft-round", "--batches", "1,4", "--json", "{tmp}/none/d.json"],
      "--json '{tmp}/none/d.json': directory '{tmp}/none' does not exist; create it or write elsewhere"),
     (["profile", "--model", DENSE, "--engine-args", '{"async_scheduling": true}', "--out", "{tmp}/p"],

@@ -45,6 +45,11 @@ class HybridSpecOptions(BaseModel):
                                      "graphs (GPU, unless enforce_eager); false runs it eagerly")
     drafter_compile: bool = Field(default=False, description="run the H-Spec drafter's layers through "
                                   "torch.compile (fewer, fused kernels; the first round compiles them)")
+    drafter_fused_norms: bool = Field(default=False, description="run the H-Spec drafter's RMS norms as one "
+                                      "Triton kernel each (GPU; drafter.fused.fuse_norms)")
+    drafter_candidate_heads: int = Field(default=0, ge=0, description="run the H-Spec drafter's Markov heads "
+                                         "through this many candidate previous tokens per position (one pass "
+                                         "over W2; kernels.markov.markov_heads(candidates=M)); 0: per position")
     full_graph_lengths: bool | list[int] = Field(
         default=True, description="capture full CUDA graphs for uniform batches of one token per request, the gated "
         "step (true), of the listed lengths, or none besides vLLM's K + 1 (false); selected lengths run in vLLM's "

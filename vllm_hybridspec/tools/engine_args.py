@@ -76,6 +76,20 @@ def int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def scale_list(text: str, name: str) -> list[float]:
+    """``"0.25,0.1"`` -> ``[0.25, 0.1]``; ``typer.BadParameter`` naming the option unless every item is a
+    finite positive number."""
+    import math
+
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise typer.BadParameter(f"--{name} must be comma-separated positive numbers, got {text!r}")
+    return values
+
+
 @dataclass
 class EngineOptions:
     """``vllm.LLM`` settings shared by the engine commands; ``llm_kwargs`` gives the keyword arguments."""

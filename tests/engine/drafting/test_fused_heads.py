@@ -14,10 +14,11 @@ from ...seeds import fresh_seed
 from ...serving.test_draft_round import K, build
 
 
-@pytest.mark.parametrize(("N", "markov_rank"), [(3, 16), (2, 0)])
-def test_the_fused_heads_draft_what_the_torch_heads_draft(N, markov_rank):
+@pytest.mark.parametrize(("N", "markov_rank", "candidates"), [(3, 16, 0), (2, 0, 0), (3, 16, 4)])
+def test_the_fused_heads_draft_what_the_torch_heads_draft(N, markov_rank, candidates):
     """Float32, the same hidden states: the same tokens up to near-ties, signals within the kernel's
-    bound, and both match the float64 reference of the round's logits."""
+    bound, and both match the float64 reference of the round's logits; with ``candidate_heads`` the
+    kernel goes through candidate previous tokens."""
     m = build(torch.float32, 2048, markov_rank, "FLASH_ATTN", seed=N)
     gen = torch.Generator().manual_seed(fresh_seed("fused heads"))
     d = m.config.transformer_layer_config.hidden_size
@@ -26,6 +27,7 @@ def test_the_fused_heads_draft_what_the_torch_heads_draft(N, markov_rank):
     with torch.inference_mode():
         torch_heads = m.draft_heads(hidden, anchors)
         m.fused_heads = True
+        m.candidate_heads = candidates
         fused = m.draft_heads(hidden, anchors)
         logits = m.compute_logits(m.norm(hidden[:, 1:]).reshape(-1, d)).view(N, K, -1)
     mh = m.markov_head

@@ -294,6 +294,35 @@ def test_padded_full_graph_batch_sends_padding_tokens_to_the_scratch_slab():
     assert rounds.pending_entry[2:padded].tolist() == [-1, -1]
 
 
+def test_steps_without_rounds_leave_the_empty_device_plan_as_it_is():
+    """A step without rounds (drafting off, prefills) after another one writes nothing: the device
+    holds the empty plan already. After a step with rounds, the next step without them does write
+    the empty plan (every position back on the scratch slab, nothing pending)."""
+    from vllm_hybridspec.engine.gdn.pending import PendingRounds
+
+    rounds = PendingRounds(8, 8, 4, "cpu")
+    empty = rounds.plan_dev.clone()
+    no_rounds = ([-1, -1], [1, 1], [9, 9], [7, 4])
+    plan_for(rounds, *no_rounds)
+    sentinel = rounds._host.clone().fill_(12345)
+    rounds._host.copy_(sentinel)
+    plan_for(rounds, *no_rounds)
+    assert torch.equal(rounds._host, sentinel), "a step without rounds rewrote the host plan"
+    assert torch.equal(rounds.plan_dev, empty) and rounds.quiet  # the runner skips planning such steps
+    step = plan_for(rounds, [2, 2], [3, 3], [9, 9], [7, 4])
+    assert step.rows == [0, 1] and not torch.equal(rounds.plan_dev, empty)
+    assert rounds.pending_entry[:2].tolist() == [-1, -1] and len(rounds.pending) == 2
+    assert not rounds.quiet  # pending rounds: the next step must plan (and flush them)
+    plan_for(rounds, [2, 2], [3, 3], [12, 12], [7, 4])  # the next round: the first ones are pending now
+    assert (rounds.pending_entry[:2] >= 0).all()
+    rounds.pending.clear()  # as if both requests finished: nothing to flush
+    assert not rounds.quiet  # a non-empty plan on the device
+    plan_for(rounds, *no_rounds, req_ids=["r8", "r9"])
+    assert torch.equal(rounds.plan_dev, empty), "the step after rounds kept a stale plan on the device"
+    assert rounds.quiet
+    assert rounds.pending_m.tolist() == [0] * len(rounds.pending_m)
+
+
 # --- the lazy commit over many steps, against the float64 recurrence ---------------------------------
 
 

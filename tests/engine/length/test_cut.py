@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_hybridspec.engine.length.cut import NO_CUT, StepCut, cuts_nothing, end_rows_at_cut
+from vllm_hybridspec.kernels.cut import route_tokens_torch
 
 from ...seeds import fresh_seed
 
@@ -32,7 +34,7 @@ def test_route_tokens_sends_each_cut_token_to_its_rows_first_token():
     cut = StepCut(max_num_reqs=16, max_num_tokens=256, device=torch.device("cpu"), pin=False)
     spec, lens, qsl = random_step(gen, n, k)
     w = torch.where(spec, torch.randint(1, k + 2, (n,), generator=gen), NO_CUT).to(torch.int32)
-    cut.route_tokens(qsl, n, w)
+    route_tokens_torch(qsl, n, w, cut.source)
     want = list(range(256))
     for r in range(n):
         for j in range(int(lens[r])):
@@ -42,8 +44,17 @@ def test_route_tokens_sends_each_cut_token_to_its_rows_first_token():
     assert int((cut.source != torch.arange(256)).sum()) > 0  # something was cut
     # a router call over the step's tokens (padded) gathers its rows by source
     logits = torch.randn(int(qsl[-1]) + 3, 8, generator=gen)
-    assert torch.equal(cut.route(logits), logits[torch.tensor(want[: logits.shape[0]])])
+    gathered = logits[torch.tensor(want[: logits.shape[0]])]
+    cut.active = True  # an eager forward of a step that cuts
+    assert torch.equal(cut.route(logits), gathered)
     assert cut.route(torch.randn(300, 8)).shape == (300, 8)  # larger than the buffers: untouched
+    # a graph captured for a step that may cut gathers whatever the capture's own step does
+    cut.active = False
+    assert torch.equal(cut.route(logits, capturing=True), gathered)
+    # no gather where no token can be cut: an eager step that does not cut, a one-token-per-request graph
+    assert cut.route(logits) is logits
+    cut.active = True
+    assert cut.route(logits, capturing=True, one_token_per_request=True) is logits
     cut.reset()
     assert torch.equal(cut.source, torch.arange(256)) and not cut.active
 
@@ -108,7 +119,7 @@ def test_plan_gathers_each_rows_length_by_request_id():
     nv = dict(zip(prev_ids, num_valid.tolist()))
     assert cut.w[:n].tolist() == [nv["d"] + 1, nv["a"] + 1, NO_CUT, nv["e"] + 1, NO_CUT]
     assert cut.active and cut.steps_cut == 1
-    cut.route_tokens(qsl, n, cut.w)
+    route_tokens_torch(qsl, n, cut.w, cut.source)
     assert int((cut.source[: int(qsl[-1])] != torch.arange(int(qsl[-1]))).sum()) == sum(
         k + 1 - (nv[r] + 1) for r in ("d", "a", "e"))
 
@@ -120,3 +131,17 @@ def test_penalties_bad_words_and_thinking_budgets_turn_the_cut_off():
     assert cuts_nothing(SimpleNamespace(**{**base, "bad_words_token_ids": {0: [[5]]}}))
     holder = SimpleNamespace(has_tracked_requests=lambda: True)
     assert cuts_nothing(SimpleNamespace(**{**base, "thinking_budget_state_holder": holder}))
+
+
+@pytest.mark.parametrize("num_tokens, num_reqs, one", [(4, 4, True), (64, 4, False), (16, None, False)])
+def test_one_token_per_request_reads_vllms_batch_descriptor(num_tokens, num_reqs, one):
+    """``vllm.forward_context.BatchDescriptor`` (``num_tokens``, ``num_reqs``: given for full graphs,
+    ``None`` for piecewise ones) as the running forward's ``batch_descriptor``: the fields the cut
+    reads to leave the router gather out of plain decoding's graphs."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import BatchDescriptor, set_forward_context
+
+    from vllm_hybridspec.engine.length.cut import one_token_per_request
+
+    with set_forward_context(None, VllmConfig(), batch_descriptor=BatchDescriptor(num_tokens, num_reqs)):
+        assert one_token_per_request() is one

@@ -53,6 +53,7 @@ def target_attention_layers(static_forward_context: dict) -> dict[int, str]:
 class HSpecForVLLM(nn.Module):
     tp_size = 1  # the engine's tensor parallel size (set in __init__)
     fused_heads: bool | None = None  # the Markov-head kernel (draft_heads); None: on CUDA devices
+    candidate_heads: int = 0  # the fused kernel through this many candidate previous tokens; 0: per position
     _compiled_layers = None  # the layers through torch.compile (compile_layers)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -342,13 +343,17 @@ class HSpecForVLLM(nn.Module):
         On CUDA (or with ``fused_heads`` set) the Markov head runs as one kernel per position over the
         LM head's logits in their own dtype (``kernels.markov.markov_heads``: the bias accumulated in
         fp32, the softmax statistics in one pass); elsewhere as torch ops per position
-        (``kernels.markov.markov_heads_torch``)."""
+        (``kernels.markov.markov_heads_torch``). ``candidate_heads = M > 0`` (opt-in) runs the kernel
+        with ``candidates = M``: one pass over ``W2`` for every position, the same outputs."""
         N, L, d = hidden.shape
         logits = self.compute_logits(self.norm(hidden[:, 1:]).reshape(-1, d)).view(N, L - 1, -1)
         mh = self.markov_head
         weights = (mh.markov_w1.weight, mh.markov_w2.weight) if mh is not None else ()
         fused = self.fused_heads if self.fused_heads is not None else hidden.is_cuda
-        heads = (markov_heads if fused else markov_heads_torch)(logits, anchor_ids, *weights)
+        if fused:
+            heads = markov_heads(logits, anchor_ids, *weights, candidates=self.candidate_heads)
+        else:
+            heads = markov_heads_torch(logits, anchor_ids, *weights)
         return DraftBlock(heads.tokens, heads.top1_prob, heads.entropy)
 
 

@@ -149,6 +149,12 @@ class HSpecProposer(RunnerDFlashProposer):
         options = hybridspec_options(self.vllm_config)
         if options is not None and options.drafter_compile:
             self.model.compile_layers()
+        if options is not None and options.drafter_fused_norms and self.device.type == "cuda":
+            from vllm_hybridspec.drafter.fused import fuse_norms
+
+            fuse_norms(self.model)
+        if options is not None:
+            self.model.candidate_heads = options.drafter_candidate_heads
         self.draft_graphs = None
         if drafter_graphs_enabled(self.vllm_config, self.device):
             self.draft_graphs = DraftGraphs(self.model, batch_buckets(self.vllm_config.scheduler_config.max_num_seqs))

@@ -135,6 +135,7 @@ class PendingRounds:
         h[ROW_SINGLE].zero_()
         self.plan_dev.copy_(h, non_blocking=True)
         self.pending_m.zero_()
+        self._plan_is_empty = True  # every position on the scratch slab, nothing pending (plan skips rewriting it)
         self.step = StepPlan()
 
     # --- per step, on the host ----------------------------------------------------------------------
@@ -166,6 +167,9 @@ class PendingRounds:
             if req_id not in in_batch and req_id not in self.pending:
                 self._free.append(self.slab_of.pop(req_id))
                 self.last_half.pop(req_id, None)
+        self.step = layout
+        if not layout.rows and self._plan_is_empty:
+            return layout  # the device holds the empty plan already: a step without rounds costs nothing
         h = self._host
         h[PLAN_SLAB].fill_(self.E)
         h[PLAN_PENDING].fill_(-1)
@@ -188,8 +192,18 @@ class PendingRounds:
         # m of each position's pending round, on the device: the sampler of the step that verified it
         # wrote it into m_of_slab, which this step's kernels read
         torch.where(self.pending_entry >= 0, self.m_of_slab[self.slab.long()], self._zero, out=self.pending_m)
-        self.step = layout
+        self._plan_is_empty = not layout.rows
         return layout
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing pending and the empty plan on the device: a step without drafts needs no plan (the
+        slabs of requests that left are freed at the next planned step, before any is handed out)."""
+        return not self.pending and self._plan_is_empty
+
+    def idle_step(self) -> None:
+        """A step without drafts while :attr:`quiet`: what :meth:`plan` would leave, without its work."""
+        self.step = StepPlan()
 
     def _layout_rows(self, draft_counts, num_scheduled, num_computed) -> StepPlan:
         """The rows vLLM's GDN builder classes as spec decodes (``draft_counts >= 0`` when the batch

@@ -77,6 +77,9 @@ def plan_step(runner, scheduler_output) -> None:
     rounds = ensure_rounds(runner)
     if rounds is None:
         return
+    if not scheduler_output.scheduled_spec_decode_tokens and rounds.quiet:
+        rounds.idle_step()  # drafting off or prefills only, nothing pending: no host work
+        return
     batch = runner.input_batch
     n = batch.num_reqs
     req_ids = list(batch.req_ids[:n])
@@ -141,6 +144,8 @@ def piecewise_spec_steps(vllm_config) -> bool:
 
 
 def _piecewise_before_resolving(original):
+    # composes with engine/length/graphs.py's wrapper of the same method in either order: this one acts
+    # before vLLM resolves the graph mode, that one after it (keys for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         piecewise_spec_steps(self.vllm_config)
         return original(self, *args, **kwargs)

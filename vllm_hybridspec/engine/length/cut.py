@@ -41,6 +41,7 @@ from vllm_hybridspec.engine.compat import (
     patch_runner_before_dummy_run,
     wrap_once,
 )
+from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
 
@@ -76,52 +77,33 @@ class StepCut:
         prev = self._prev_row.numpy()
         prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
         self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
-        idx = self._prev_row_dev[:n]
-        w = num_valid.index_select(0, idx.clamp(min=0)).to(torch.int32) + 1
-        self.w[:n] = torch.where(idx >= 0, w, NO_CUT)
-        self.route_tokens(query_start_loc, n, self.w)
+        plan = plan_cut if self.w.is_cuda else plan_cut_torch  # one launch on GPUs
+        plan(num_valid, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
         self.active = True
         self.steps_cut += 1
 
-    def route_tokens(self, query_start_loc: torch.Tensor, n: int, w: torch.Tensor) -> None:
-        """``source`` of every token: itself while its position in its row is below the row's ``w``
-        (``[N]``, device), its row's first token past it; tokens past the step's last one keep theirs."""
-        t = self._tokens
-        ends = query_start_loc[1 : n + 1].to(torch.int64)
-        row = torch.searchsorted(ends, t, right=True).clamp_(max=n - 1)  # [T]
-        start = query_start_loc.to(torch.int64).index_select(0, row)
-        keep = (t - start < w.index_select(0, row)) | (t >= ends[-1:])
-        torch.where(keep, t, start, out=self.source)
-
-    def route(self, router_logits: torch.Tensor) -> torch.Tensor:
+    def route(self, router_logits: torch.Tensor, capturing: bool = False,
+              one_token_per_request: bool = False) -> torch.Tensor:
         """``router_logits`` ``[T, E]`` of the step's tokens: a cut token's row replaced by its row's
-        first token's (one gather; the identity when nothing is cut)."""
+        first token's (one gather; the identity when nothing is cut).
+
+        No gather where no token can be cut: an eager forward of a step that does not cut, or a CUDA
+        graph captured for one token per request (plain decoding's graphs, which drafting off
+        replays: every token is its row's first). Any other graph keeps the gather, since the steps
+        that replay it may cut."""
         T = router_logits.shape[0]
-        if T > self.source.shape[0]:
+        if T > self.source.shape[0] or (one_token_per_request if capturing else not self.active):
             return router_logits
         return router_logits.index_select(0, self.source[:T])
 
     def bonus_at_cut(self, metadata, num_rows: int):
         """``(metadata with each row's bonus index at its cut, v [N])``: ``v`` the drafts verified
-        per row (``min(w - 1, drafts scheduled)``)."""
+        per row (``min(w - 1, drafts scheduled)``, ``kernels.cut.bonus_at_cut``)."""
         from dataclasses import replace
 
-        cu = metadata.cu_num_draft_tokens  # [N] int32, device
-        drafts = torch.diff(cu, prepend=cu.new_zeros(1))
-        v = torch.minimum(self.w[:num_rows] - 1, drafts)
-        self.verified_drafts += v.sum()
-        return replace(metadata, bonus_logits_indices=metadata.bonus_logits_indices - (drafts - v)), v
-
-
-def end_rows_at_cut(token_ids: torch.Tensor, bonus: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The rejection sampler's ``token_ids`` ``[N, 1 + max drafts]`` (``-1`` past each row's tokens)
-    for rows that verify only their first ``v`` drafts: a row that accepted at least ``v`` ends with
-    ``bonus`` (``[N]`` or ``[N, 1]``) at position ``v``; a row rejected before ``v`` is unchanged."""
-    cols = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
-    accepted = (token_ids != -1).sum(dim=1, keepdim=True) - 1
-    full = accepted >= v[:, None]
-    token_ids = torch.where(full & (cols == v[:, None]), bonus.reshape(-1, 1).to(token_ids.dtype), token_ids)
-    return torch.where(full & (cols > v[:, None]), token_ids.new_full((), -1), token_ids)
+        bonus, v = bonus_at_cut(metadata.cu_num_draft_tokens, self.w[:num_rows], metadata.bonus_logits_indices,
+                                self.verified_drafts)
+        return replace(metadata, bonus_logits_indices=bonus), v
 
 
 def cuts_nothing(sampling_metadata) -> bool:
@@ -166,6 +148,16 @@ def cut_of_forward() -> StepCut | None:
     if not is_forward_context_available():
         return None
     return _BY_CONTEXT.get(id(get_forward_context().no_compile_layers))
+
+
+def one_token_per_request() -> bool:
+    """Whether the running forward has one token per request (``vllm.forward_context``'s
+    ``BatchDescriptor``: ``num_reqs`` given, as for full CUDA graphs, and equal to ``num_tokens``)."""
+    from vllm.forward_context import get_forward_context
+
+    descriptor = get_forward_context().batch_descriptor
+    return (descriptor is not None and descriptor.num_reqs is not None
+            and descriptor.num_tokens <= descriptor.num_reqs)
 
 
 def plan_step_cut(runner, scheduler_output) -> None:
@@ -244,7 +236,8 @@ def _routed_at_cut(original):
         # CPU and TPU platforms); there the tokens keep their own experts, which changes no output
         cut = None if torch.compiler.is_compiling() else cut_of_forward()
         if cut is not None:
-            router_logits = cut.route(router_logits)
+            capturing = router_logits.is_cuda and torch.cuda.is_current_stream_capturing()
+            router_logits = cut.route(router_logits, capturing, capturing and one_token_per_request())
         return original(self, hidden_states, router_logits, *args, **kwargs)
 
     return _apply_quant_method

@@ -122,6 +122,9 @@ def _lengths_of(runner) -> dict:
 
 
 def _keys_per_length(original):
+    # composes with engine/gdn/runner.py's wrapper of the same method in either order: that one acts
+    # before vLLM resolves the graph mode (a switch to PIECEWISE), this one after it (keys added to the
+    # dispatcher vLLM made for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         add_length_keys(self.cudagraph_dispatcher, graph_lengths(self.vllm_config), self.scheduler_config.max_num_seqs)

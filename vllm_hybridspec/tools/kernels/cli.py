@@ -20,7 +20,7 @@ from pathlib import Path
 
 import typer
 
-from vllm_hybridspec.tools.engine_args import int_list, output_path
+from vllm_hybridspec.tools.engine_args import int_list, output_path, scale_list
 
 kernels_app = typer.Typer(help="Kernel benchmarks: the GDN kernels against vLLM and fla, the fused lazy commit, "
                                "launch sweeps, profiling, the H-Spec drafting round (timings need CUDA; the GDN "
@@ -267,19 +267,27 @@ def draft_round(
     replays: int = typer.Option(5, min=1, help="graph replays per sample"),
     tune: bool = typer.Option(False, "--tune", help="time the fused heads at every launch candidate first and use "
                                           "the fastest per B"),
+    candidates: int = typer.Option(8, min=1, help="candidate previous tokens per position of the candidate heads"),
+    markov_scales: str = typer.Option("", help="also time the candidate heads with the Markov bias scaled by each "
+                                      "of these factors (comma-separated, e.g. 0.25,0.1): random weights' bias is "
+                                      "as large as the logits, a trained head's a correction"),
     json_out: Path | None = typer.Option(None, "--json", help="where to write the rows, the sweep and the meta"),
 ) -> None:
     """One H-Spec drafting round at the Qwen3.6-35B-A3B shape (vLLM-free, random bf16 weights): the
-    drafter's layers, the LM head, the Markov heads as torch ops and as the fused kernel, the whole
-    round, each one CUDA graph, against the weight-read floor (CUDA only)."""
+    drafter's layers, the LM head, the Markov heads as torch ops, as the fused kernel and through
+    candidate previous tokens, the whole round, each one CUDA graph, against the weight-read floor
+    (CUDA only)."""
     bs = int_list(batches, "batches")
+    scales = tuple(scale_list(markov_scales, "markov-scales")) if markov_scales else ()
     _output(json_out, "--json")
     _needs_cuda("kernels draft-round")
     from . import draft_round as dr
 
-    result = dr.run(bs, capacity, samples, replays, tune)
+    result = dr.run(bs, capacity, samples, replays, tune, candidates=candidates, markov_scales=scales)
     result["meta"]["command"] = (f"hybridspec kernels draft-round --batches {batches} --capacity {capacity} "
-                                 f"--samples {samples} --replays {replays}" + (" --tune" if tune else "")
+                                 f"--samples {samples} --replays {replays} --candidates {candidates}"
+                                 + (f" --markov-scales {markov_scales}" if markov_scales else "")
+                                 + (" --tune" if tune else "")
                                  + (f" --json {json_out}" if json_out else ""))
     _write_json(json_out, result)
     if result["failed"]:

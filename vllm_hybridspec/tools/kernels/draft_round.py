@@ -11,16 +11,28 @@ them from the target's paged cache, a read of the same size). For each batch siz
 * ``heads_torch``: the Markov head as torch ops per position over float32 logits (what
   ``HSpecForVLLM.draft_heads`` runs on the CPU, and ran on CUDA before the kernel);
 * ``heads_fused``: ``kernels.markov.markov_heads`` over the bf16 logits;
-* ``round_torch`` / ``round_fused``: the three together, as the engine's round graph replays them;
+* ``heads_candidates``: the same with ``candidates = M`` (``--candidates``, 8 by default): one pass
+  over ``W2`` for every position through the top-M previous tokens, the per-position kernels only
+  past a request's first unresolved position; the fraction of positions 1 .. K-1 the candidates
+  resolved is logged and kept (``resolved``);
+* ``round_torch`` / ``round_fused`` / ``round_candidates``: layers, LM head and heads together, as the
+  engine's round graph replays them;
+* ``layers_fused_norms`` / ``round_fused_norms``: the layers with every RMS norm as one kernel
+  (``drafter.fused.fuse_norms``; what ``"drafter_fused_norms": true`` runs in the engine), alone and
+  with the LM head and the fused heads;
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
-  head and the fused heads;
+  head and the fused heads; ``round_compiled_candidates``: with the candidate heads instead;
+* ``--markov-scales``: the candidate heads and ``round_compiled_candidates`` again with the Markov
+  bias scaled down (random weights make it as large as the logits, so few positions resolve; a
+  trained head's bias is a correction), each with the fraction resolved (``scaled``);
 * ``floor``: the bytes a round must read (the drafter's own weights, the LM head once, the Markov
   ``W2`` once per position, the prefix K/V) over the read bandwidth measured in the same run
   (:func:`.timing.read_bandwidth`).
 
 Before timing, at B = 4 the fused heads are checked against the float64 reference on the round's own
-logits (same tokens up to near-ties; signals within 2e-6 / 2e-5), the torch heads likewise, and the
+logits (same tokens up to near-ties; signals within 2e-6 / 2e-5), the candidate heads and the torch
+heads likewise, and the
 compiled layers' hidden states against the eager ones (relative error below 2e-2 in bf16); a failure
 stops the run. ``--tune`` also times the fused heads at every launch candidate and uses the
 fastest per B for the round.
@@ -33,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +54,12 @@ from vllm_hybridspec.kernels.markov import markov_heads, markov_heads_reference,
 from .timing import graph_ms, log, read_bandwidth
 
 TIE_GAP, TOP1_ATOL, ENTROPY_ATOL = 1e-4, 2e-6, 2e-5
-TUNE_GRID = dict(BV=(32, 64, 128), programs_per_sm=(1, 2, 4), num_warps=(4, 8))
+DEFAULT_CANDIDATES = 8  # candidate previous tokens per position of the candidate heads (--candidates)
+# launch candidates of the fused heads for --tune: (BV, programs per SM, warps, L2-kept tiles per
+# program, pipeline stages or None for Triton's default); 2 programs of 15 tiles of 64 rows per SM
+# cover the 248,320-row W2, and 4 or 5 kept tiles hold 33-41 MB of it in the H200's 50 MB L2
+TUNE_GRID = [(64, 2, 4, keep, stages) for keep in (0, 3, 4, 5) for stages in (None, 2, 4)] + [
+    (128, 1, 8, 0, None), (128, 1, 8, 2, None), (32, 4, 4, 0, None), (32, 4, 4, 6, None)]
 
 
 def build_drafter(device: torch.device, layers: int = 4, block_size: int = 16, markov_rank: int = 256,
@@ -117,11 +135,22 @@ class Round:
         self.mask = request_block_mask(self.prefix_lens, capacity, L, cfg.sliding_window)
         self.hidden = self.logits = None
         self.launch: dict = {}
+        self.candidates = DEFAULT_CANDIDATES
+        self.first_unresolved = torch.empty(B, dtype=torch.int32, device=device)  # written in the graph
 
     def layers(self):
         m = self.model
         self.hidden = m.block_forward(self.block_ids, self.positions, m.initial_state(self.last_hidden),
                                       self.prefix_kv, self.mask)
+
+    def layers_fused_norms(self):
+        from vllm_hybridspec.drafter.fused import fuse_norms, unfuse_norms
+
+        fuse_norms(self.model)
+        try:
+            self.layers()
+        finally:
+            unfuse_norms(self.model)
 
     def layers_compiled(self):
         m = self.model
@@ -141,6 +170,17 @@ class Round:
         return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
                             **(launch or self.launch))
 
+    def heads_candidates(self, **launch):
+        mh = self.model.markov_head
+        return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
+                            candidates=self.candidates, first_unresolved=self.first_unresolved,
+                            **(launch or self.launch))
+
+    def resolved(self) -> float:
+        """The fraction of positions 1 .. K-1 that the last candidate heads resolved (a host read)."""
+        K = self.L - 1
+        return float((self.first_unresolved.long() - 1).sum()) / max(1, self.B * (K - 1))
+
     def round_torch(self):
         self.layers()
         self.lm_head()
@@ -151,10 +191,25 @@ class Round:
         self.lm_head()
         return self.heads_fused()
 
+    def round_fused_norms(self):
+        self.layers_fused_norms()
+        self.lm_head()
+        return self.heads_fused()
+
+    def round_candidates(self):
+        self.layers()
+        self.lm_head()
+        return self.heads_candidates()
+
     def round_compiled(self):
         self.layers_compiled()
         self.lm_head()
         return self.heads_fused()
+
+    def round_compiled_candidates(self):
+        self.layers_compiled()
+        self.lm_head()
+        return self.heads_candidates()
 
 
 def compile_block_forward(model) -> None:
@@ -162,12 +217,17 @@ def compile_block_forward(model) -> None:
 
 
 def check_compiled(r: Round, tol: float = 2e-2) -> list[str]:
-    """The compiled layers' hidden states against the eager layers' (relative Frobenius error)."""
+    """The compiled layers' and the fused-norm layers' hidden states against the eager layers'
+    (relative Frobenius error)."""
     r.layers()
     eager = r.hidden.float()
-    r.layers_compiled()
-    err = float((r.hidden.float() - eager).norm() / eager.norm().clamp(min=1e-30))
-    return [] if err <= tol else [f"compiled layers: relative error {err:.2e} above {tol:.0e}"]
+    problems = []
+    for name in ("layers_compiled", "layers_fused_norms"):
+        getattr(r, name)()
+        err = float((r.hidden.float() - eager).norm() / eager.norm().clamp(min=1e-30))
+        if err > tol:
+            problems.append(f"{name}: relative error {err:.2e} above {tol:.0e}")
+    return problems
 
 
 def round_bytes(model, B: int, capacity: int) -> dict[str, int]:
@@ -189,7 +249,7 @@ def round_bytes(model, B: int, capacity: int) -> dict[str, int]:
 
 
 def check(r: Round) -> list[str]:
-    """The torch and fused heads on the round's own logits against the float64 reference."""
+    """The torch, fused and candidate heads on the round's own logits against the float64 reference."""
     mh = r.model.markov_head
     r.layers()
     r.lm_head()
@@ -200,7 +260,10 @@ def check(r: Round) -> list[str]:
     if int((margins >= TIE_GAP).sum()) < margins.numel() // 2:
         problems.append(f"only {int((margins >= TIE_GAP).sum())} of {margins.numel()} positions have a top-2 gap "
                         f"above {TIE_GAP}: the check would compare too little")
-    for name, (tokens, top1, ent) in (("torch", tuple(r.heads_torch())), ("fused", tuple(r.heads_fused()))):
+    heads = (("torch", tuple(r.heads_torch())), ("fused", tuple(r.heads_fused())),
+             ("candidates", tuple(r.heads_candidates())))
+    log(f"check B={r.B}: candidates (M = {r.candidates}) resolved {r.resolved():.3f} of positions 1..K-1")
+    for name, (tokens, top1, ent) in heads:
         for n, k in itertools.product(range(r.B), range(r.L - 1)):
             if margins[n, k] < TIE_GAP:
                 break
@@ -216,13 +279,15 @@ def check(r: Round) -> list[str]:
 def tune_heads(r: Round, samples: int, replays: int) -> tuple[dict, list[dict]]:
     sms = torch.cuda.get_device_properties(r.last_hidden.device).multi_processor_count
     rows = []
-    for BV, pps, warps in itertools.product(*TUNE_GRID.values()):
-        launch = dict(BV=BV, programs=pps * sms, num_warps=warps)
+    for BV, pps, warps, keep, stages in TUNE_GRID:
+        launch = dict(BV=BV, programs=pps * sms, num_warps=warps, keep=keep, num_stages=stages)
         t = graph_ms(lambda launch=launch: r.heads_fused(**launch), samples, replays)
-        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, ms=t.ms, iqr=t.iqr))
-        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps}: {t.ms:.4f} ms")
+        rows.append(dict(B=r.B, BV=BV, programs_per_sm=pps, num_warps=warps, keep=keep, num_stages=stages,
+                         ms=t.ms, iqr=t.iqr))
+        log(f"  tune B={r.B} BV={BV} programs/SM={pps} warps={warps} keep={keep} stages={stages}: {t.ms:.4f} ms")
     best = min(rows, key=lambda row: row["ms"])
-    return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"]), rows
+    return dict(BV=best["BV"], programs=best["programs_per_sm"] * sms, num_warps=best["num_warps"],
+                keep=best["keep"], num_stages=best["num_stages"]), rows
 
 
 def kernel_table(fn, top: int = 25) -> list[dict]:
@@ -239,17 +304,20 @@ def kernel_table(fn, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
-def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0) -> dict:
+def run(batches: list[int], capacity: int, samples: int, replays: int, tune: bool, seed: int = 0,
+        candidates: int = DEFAULT_CANDIDATES, markov_scales: tuple[float, ...] = ()) -> dict:
     t0 = time.time()
     device = torch.device("cuda")
     model = build_drafter(device)
     compile_block_forward(model)
     with torch.inference_mode():
         r = Round(model, 4, capacity, device, seed)
+        r.candidates = candidates
         problems = check(r) + check_compiled(r)
     meta = {"device": torch.cuda.get_device_name(), "capacity": capacity, "samples": samples, "replays": replays,
             "K": model.config.block_size - 1, "vocab": model.config.transformer_layer_config.vocab_size,
-            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers}
+            "markov_rank": model.config.markov_rank, "layers": model.config.num_layers, "candidates": candidates,
+            "markov_scales": list(markov_scales)}
     if problems:
         return {"meta": meta, "failed": problems, "rows": [], "tune": []}
     bw = read_bandwidth(samples)
@@ -259,37 +327,75 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
     with torch.inference_mode():
         for B in batches:
             r = Round(model, B, capacity, device, seed + B)
+            r.candidates = candidates
             r.layers()
             r.lm_head()
             if tune:
                 r.launch, part = tune_heads(r, samples, replays)
                 tune_rows += part
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
-            for part in ("layers", "layers_compiled", "lm_head", "heads_torch", "heads_fused", "round_torch",
-                         "round_fused", "round_compiled"):
+            for part in ("layers", "layers_fused_norms", "layers_compiled", "lm_head", "heads_torch", "heads_fused",
+                         "heads_candidates", "round_torch", "round_fused", "round_fused_norms", "round_candidates",
+                         "round_compiled", "round_compiled_candidates"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
+            row["resolved"] = r.resolved()  # of the last replay of round_compiled_candidates
+            row["scaled"] = scaled_markov(r, markov_scales, lambda fn: graph_ms(fn, samples, replays).ms)
             nbytes = round_bytes(model, B, capacity)
             row["bytes"] = nbytes
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
-            row["round_over_floor"] = min(row["round_fused_ms"], row["round_compiled_ms"]) / row["floor_ms"]
+            row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"],
+                                          row["round_candidates_ms"], row["round_compiled_ms"],
+                                          row["round_compiled_candidates_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
-                + f" ms; best round / floor {row['round_over_floor']:.2f}")
+                + f" ms; best round / floor {row['round_over_floor']:.2f}; candidates (M = {candidates}) "
+                f"resolved {row['resolved']:.3f}")
+            for x in row["scaled"]:
+                log(f"B={B}: Markov bias x{x['scale']}: heads (candidates) {x['heads_candidates_ms']:.3f} ms, round "
+                    f"(compiled layers, candidates) {x['round_compiled_candidates_ms']:.3f} ms, resolved {x['resolved']:.3f}")
             if B in (1, 4):
-                row["kernels"] = kernel_table(r.round_fused)
-                for k in row["kernels"][:12]:
-                    log(f"    {k['us']:9.1f} us  {k['calls']:4d}x  {k['kernel']}")
+                for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
+                                ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates)):
+                    row[key] = kernel_table(fn)
+                    log(f"  {key} (B={B}):")
+                    for k in row[key][:12]:
+                        log(f"    {k['us']:9.1f} us  {k['calls']:4d}x  {k['kernel']}")
             rows.append(row)
     meta["seconds"] = time.time() - t0
     return {"meta": meta, "failed": [], "rows": rows, "tune": tune_rows}
 
 
+def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], float]) -> list[dict]:
+    """The candidate heads with the Markov bias scaled by each of ``scales`` (``W1`` multiplied in place,
+    then restored): random weights make the bias as large as the LM head's logits, so the candidates
+    resolve few positions; a trained head's bias is a correction, which a smaller scale stands in
+    for. ``time_ms(fn)``: one call's time (CUDA graphs in :func:`run`); with the fraction of positions
+    1 .. K-1 resolved."""
+    w1 = r.model.markov_head.markov_w1.weight
+    original = w1.detach().clone()
+    out = []
+    try:
+        for s in scales:
+            w1.copy_(original * s)
+            row = {"scale": s}
+            for part in ("heads_candidates", "round_compiled_candidates"):
+                row[f"{part}_ms"] = time_ms(getattr(r, part))
+            row["resolved"] = r.resolved()
+            out.append(row)
+    finally:
+        w1.copy_(original)
+    return out
+
+
 def format_table(rows: list[dict]) -> str:
-    head = ("| B | layers | layers (compiled) | LM head | heads (torch) | heads (fused) | round (torch) | "
-            "round (fused) | round (compiled layers, fused) | floor | best / floor |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| B | layers | layers (fused norms) | layers (compiled) | LM head | heads (torch) | heads (fused) | "
+            "heads (candidates) | resolved | round (torch) | round (fused) | round (fused norms) | "
+            "round (candidates) | round (compiled layers) | floor | best / floor |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | "
-                     f"{r['heads_torch_ms']:.3f} | {r['heads_fused_ms']:.3f} | {r['round_torch_ms']:.3f} | "
-                     f"{r['round_fused_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
+        lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_fused_norms_ms']:.3f} | "
+                     f"{r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
+                     f"{r['heads_fused_ms']:.3f} | {r['heads_candidates_ms']:.3f} | {r['resolved']:.3f} | "
+                     f"{r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | {r['round_fused_norms_ms']:.3f} | "
+                     f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{r['round_over_floor']:.2f} |")
     return "\n".join(lines)
