@@ -10,7 +10,7 @@ at every OpenMP barrier.
 
 Part 2 is memory-aware: a file starts beside a running one only when ``/proc/meminfo``'s MemAvailable
 covers the file's last measured peak (``_peak_gib`` in ``tests/engine_budget.json``; an unknown file
-counts as the largest known), what the running files may still grow to their own peaks, and a margin
+counts as the largest known, this run's included), what the running files may still grow to their own peaks, and a margin
 (``--margin-gib``, 3 by default); otherwise it waits, and a smaller file that fits may go first. A
 file with nothing beside it always starts, so with ``--jobs 1`` the files run strictly one at a time.
 
@@ -132,8 +132,10 @@ def part2(files: list[str], jobs: int, junit: Path, margin_gib: float) -> tuple[
     With nothing running a file always starts: with ``jobs`` = 1 the files run strictly one at a time."""
     budget = json.loads(engine_starts.BUDGET.read_text())
     seconds, peaks = budget["_seconds"], peaks_known()
-    largest = max(peaks.values(), default=UNKNOWN_PEAK_GIB)
-    need = {f: peaks.get(Path(f).name, largest) * GIB for f in files}
+
+    def need(f: str) -> float:  # bytes; peaks measured in this run count as soon as a file ends
+        return peaks.get(Path(f).name, max(peaks.values(), default=UNKNOWN_PEAK_GIB)) * GIB
+
     waiting = sorted(files, key=lambda f: -seconds.get(Path(f).name, 1e9))  # unknown files first
     running: dict[str, Running] = {}
     logs = Path(tempfile.mkdtemp(prefix="engine-files-"))
@@ -148,10 +150,11 @@ def part2(files: list[str], jobs: int, junit: Path, margin_gib: float) -> tuple[
                   f"== {path}: {run.wall:.0f} s, peak {run.peak / GIB:.1f} GiB, exit {rc}", flush=True)
             status = status or rc
             results[path] = (run.wall, run.peak / GIB)
+            peaks[Path(path).name] = run.peak / GIB
         if waiting and len(running) < jobs:
-            growth = sum(max(0.0, need[p] - r.rss) for p, r in running.items())
+            growth = sum(max(0.0, need(p) - r.rss) for p, r in running.items())
             room = mem_available() - growth - margin_gib * GIB
-            fits = [f for f in waiting if not running or need[f] <= room]
+            fits = [f for f in waiting if not running or need(f) <= room]
             if fits:
                 path = fits[0]
                 waiting.remove(path)
@@ -163,7 +166,7 @@ def part2(files: list[str], jobs: int, junit: Path, margin_gib: float) -> tuple[
                 said = None
                 continue
             if said != (waiting[0], len(running)):
-                print(f"== waiting for memory: {waiting[0]} needs {need[waiting[0]] / GIB:.1f} GiB + "
+                print(f"== waiting for memory: {waiting[0]} needs {need(waiting[0]) / GIB:.1f} GiB + "
                       f"{margin_gib:g} GiB margin, {room / GIB + margin_gib:.1f} GiB left beside "
                       f"{', '.join(running)}", flush=True)
                 said = (waiting[0], len(running))
