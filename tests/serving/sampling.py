@@ -27,7 +27,12 @@ committed the accepted prefix.
 Two planted samplers (every draft accepted; a rejected position resampled from the target instead
 of the residual) run through the same check on the dense target, which must reject every random case
 of each; a one-slot commit one token short, on the hybrid, must be rejected in the case that rejects
-most drafts."""
+most drafts.
+
+One engine per target serves its file's tests (:func:`engine`): the planted bugs replace functions
+that the running engine looks up at every step, so each test plants its bug in the started engine
+and takes it out again; each check counts only its own run's drafts (vLLM's counters are read before
+and after it)."""
 
 from __future__ import annotations
 
@@ -155,6 +160,9 @@ class OracleDrafts:
 
     def __init__(self, tables: list[Tables]):
         self.by_prompt = {tuple(t.prompt): (t, c) for t, c in zip(tables, CASES)}
+        self.reset()
+
+    def reset(self):
         self.rounds = {c.name: 0 for c in CASES}  # rounds with at least one draft
         self.drafts = {c.name: 0 for c in CASES}
 
@@ -199,14 +207,19 @@ def rejected_cases(llm, tables: list[Tables], oracle: OracleDrafts, label: str) 
     """The check: each random case's joint of tokens 2 and 3 against the exact one (G-test at
     ``ALPHA / len(RANDOM_CASES)``); the greedy case must give the argmax chain. Returns the random cases
     it rejects with their p-values, and vLLM's counts of draft tokens verified and accepted."""
+    def spec_counters():
+        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        return [metrics.get(f"vllm:spec_decode_num_{x}", 0) for x in ("draft_tokens", "accepted_tokens")]
+
+    before = spec_counters()
+    oracle.reset()
     began = time.perf_counter()
     tokens = run_cases(llm, tables)
     seconds = time.perf_counter() - began
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    drafted, accepted = (metrics[f"vllm:spec_decode_num_{x}"] for x in ("draft_tokens", "accepted_tokens"))
+    drafted, accepted = (after - b for after, b in zip(spec_counters(), before))  # this run's
     selector = drafter_of(llm).length_selector
     print(f"{label}: {sum(c.samples for c in CASES)} requests in {seconds:.0f} s, {drafted:.0f} draft tokens verified, {accepted:.0f} accepted; rows verified at each length "
-          f"{selector.stats()['rows_at_length']}; oracle rounds {oracle.rounds}")
+          f"(the engine's runs so far) {selector.stats()['rows_at_length']}; oracle rounds {oracle.rounds}")
     rejected = {}
     for case, t, x in zip(CASES, tables, tokens):
         if case.temperature == 0:
@@ -258,11 +271,15 @@ def save_drafter(config, target, out, label: str, num_selected: int, num_kv_reus
     return out
 
 
-def start(root, tmp_path, monkeypatch, tables, seed_label: str):
+def engine(root, tables, seed_label: str):
+    """The target's engine with oracle drafts, for a module-scoped fixture: yields ``(llm, oracle)``."""
+    import pytest
     from vllm import LLM
 
-    oracle = OracleDrafts(tables)
-    oracle.install(monkeypatch)
-    llm = LLM(model=str(root / "target"), speculative_config=spec(root / "hspec", policy(tmp_path / "p.json")),
-              seed=fresh_seed(seed_label), **ENGINE)
-    return llm, oracle
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        oracle = OracleDrafts(tables)
+        oracle.install(monkeypatch)
+        llm = LLM(model=str(root / "target"), speculative_config=spec(root / "hspec", policy(root / "p.json")),
+                  seed=fresh_seed(seed_label), **ENGINE)
+        yield llm, oracle
+        del llm

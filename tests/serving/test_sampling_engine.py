@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from .conftest import fresh_seed
-from .sampling import RANDOM_CASES, V, draw_tables, rejected_cases, save_drafter, start
+from .sampling import RANDOM_CASES, V, draw_tables, engine, rejected_cases, save_drafter
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -28,27 +28,34 @@ def dense(tmp_path_factory):
     return root, draw_tables(model.double(), "dense")
 
 
-
-def test_dense_target_keeps_the_joint_distribution(dense, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def dense_engine(dense):
+    """One engine for the three tests: the planted samplers replace module functions that the rejection
+    sampler looks up at every step."""
     root, tables = dense
-    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling dense engine")
+    yield from engine(root, tables, "sampling dense engine")
+
+
+def test_dense_target_keeps_the_joint_distribution(dense, dense_engine):
+    _, tables = dense
+    llm, oracle = dense_engine
     rejected, counts = rejected_cases(llm, tables, oracle, "dense, H-Spec, selected lengths")
     assert rejected == {}
     assert counts["drafted"] > counts["accepted"]  # rejections too: the residual was sampled
 
 
-def test_the_check_rejects_a_sampler_that_always_accepts(dense, tmp_path, monkeypatch):
+def test_the_check_rejects_a_sampler_that_always_accepts(dense, dense_engine, monkeypatch):
     """Planted: every uniform draw is 0, so ``p(draft) >= u`` holds and every draft is accepted."""
     import vllm.v1.sample.rejection_sampler as rs
 
     monkeypatch.setattr(rs, "generate_uniform_probs",
                         lambda num_tokens, *args, **kwargs: torch.zeros(num_tokens, dtype=torch.float64))
-    root, tables = dense
-    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling dense engine, always accept")
+    _, tables = dense
+    llm, oracle = dense_engine
     assert sorted(rejected_cases(llm, tables, oracle, "planted: always accept")[0]) == RANDOM_CASES
 
 
-def test_the_check_rejects_resampling_from_the_target_after_a_rejection(dense, tmp_path, monkeypatch):
+def test_the_check_rejects_resampling_from_the_target_after_a_rejection(dense, dense_engine, monkeypatch):
     """Planted: a rejected position draws from the target ``p`` instead of the residual (with
     point-mass drafts: ``p`` without the draft token)."""
     import vllm.v1.sample.rejection_sampler as rs
@@ -58,8 +65,6 @@ def test_the_check_rejects_resampling_from_the_target_after_a_rejection(dense, t
         return torch.multinomial(target_probs, 1).squeeze(1).to(draft_token_ids.dtype)
 
     monkeypatch.setattr(rs, "sample_recovered_tokens", from_target)
-    root, tables = dense
-    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling dense engine, resample from p")
+    _, tables = dense
+    llm, oracle = dense_engine
     assert sorted(rejected_cases(llm, tables, oracle, "planted: resample from p")[0]) == RANDOM_CASES
-
-

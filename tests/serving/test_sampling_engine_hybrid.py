@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from .conftest import fresh_seed
-from .sampling import CASES, SAMPLES, V, draw_tables, rejected_cases, save_drafter, start
+from .sampling import CASES, SAMPLES, V, draw_tables, engine, rejected_cases, save_drafter
 from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.timeout(1800)
@@ -21,15 +21,26 @@ def hybrid(tmp_path_factory):
 
     use_torch_gated_delta_rule()  # transformers' torch GDN, not fla's Triton kernels
     root = tmp_path_factory.mktemp("sampling_hybrid")
-    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": V, "num_hidden_layers": 8, "pad_token_id": 0,
+    # 4 layers (GDN, GDN, GDN, full attention), as in test_identity_controls.py: every path the check
+    # covers (one-slot verify and lazy commit, MoE, the drafter reading the attention layer's K/V) at
+    # half the cost per request of the 8 layers this test had
+    config = AutoConfig.for_model(**{**TINY_QWEN3_NEXT, "vocab_size": V, "num_hidden_layers": 4, "pad_token_id": 0,
                                      "initializer_range": 0.3})
     config.architectures = ["Qwen3NextForCausalLM"]
     torch.manual_seed(fresh_seed("sampling hybrid target weights"))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(root / "target")
-    save_drafter(config, root / "target", root / "hspec", "sampling hybrid", 4, 2)
+    save_drafter(config, root / "target", root / "hspec", "sampling hybrid", 3, 1)
     model.set_experts_implementation("eager")  # the grouped-mm experts refuse float64
     return root, draw_tables(model.double(), "hybrid")
+
+
+@pytest.fixture(scope="module")
+def hybrid_engine(hybrid):
+    """One engine for both tests: the planted commit replaces a method that the one-slot layer looks up
+    at every step."""
+    root, tables = hybrid
+    yield from engine(root, tables, "sampling hybrid engine")
 
 
 def gdn_is_one_slot(llm) -> bool:
@@ -40,16 +51,16 @@ def gdn_is_one_slot(llm) -> bool:
     return bool(layers) and all(isinstance(m, HSpecQwenGDN) and m.one_slot for m in layers)
 
 
-def test_hybrid_target_keeps_the_joint_distribution(hybrid, tmp_path, monkeypatch):
-    root, tables = hybrid
-    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling hybrid engine")
+def test_hybrid_target_keeps_the_joint_distribution(hybrid, hybrid_engine):
+    _, tables = hybrid
+    llm, oracle = hybrid_engine
     assert gdn_is_one_slot(llm)
     rejected, counts = rejected_cases(llm, tables, oracle, "hybrid, one-slot GDN, H-Spec, selected lengths")
     assert rejected == {}
     assert counts["drafted"] > counts["accepted"]  # rejections too: the residual was sampled
 
 
-def test_the_check_rejects_a_one_slot_commit_one_token_short(hybrid, tmp_path, monkeypatch):
+def test_the_check_rejects_a_one_slot_commit_one_token_short(hybrid, hybrid_engine, monkeypatch):
     """Planted in the one-slot layer: each round's lazy commit advances the state by one token fewer
     than it accepted (``test_identity_controls.py``'s ``commit m - 1``). Token 3 then comes from a
     wrong state whenever token 2 rejected its draft, which the rejected-often case does in about 90 % of
@@ -60,7 +71,7 @@ def test_the_check_rejects_a_one_slot_commit_one_token_short(hybrid, tmp_path, m
     for case in CASES:
         if case.temperature > 0:
             monkeypatch.setattr(case, "samples", SAMPLES // 5)
-    root, tables = hybrid
-    llm, oracle = start(root, tmp_path, monkeypatch, tables, "sampling hybrid engine, commit one short")
+    _, tables = hybrid
+    llm, oracle = hybrid_engine
     assert gdn_is_one_slot(llm)
     assert "T=1.3, third-ranked drafts" in rejected_cases(llm, tables, oracle, "planted: one-slot commit m - 1")[0]

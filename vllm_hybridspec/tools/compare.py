@@ -51,6 +51,13 @@ def spec_counters(llm) -> dict[str, float]:
     return out
 
 
+def rank_stats(llm) -> list[dict] | None:
+    """Each tensor-parallel rank's selector and cut counters (``HybridSpecWorkerExtension.hybridspec_stats``),
+    or None where the workers lack that extension (``worker_extension_cls`` in ``--engine-args``)."""
+    extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls or ""
+    return llm.collective_rpc("hybridspec_stats") if extension.endswith("HybridSpecWorkerExtension") else None
+
+
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], float | None]:
     """vLLM's spec-decode counters between two :func:`spec_counters` readings, and the mean acceptance
     length over them (bonus token included; ``None`` without drafts)."""
@@ -108,6 +115,10 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
     greedy = SamplingParams(temperature=0, max_tokens=settings.max_tokens, ignore_eos=True,
                             logprobs=2 if logprobs else None)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # with tensor parallelism the proposer lives in the worker processes: no selector stats, no spec
+    # sweep, but each rank's counters where the workers have the plugin's extension
+    in_process = llm.llm_engine.vllm_config.parallel_config.world_size == 1
+    ranks_before = rank_stats(llm) if spec is not None and not in_process else None
     before = spec_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -140,8 +151,10 @@ def run_config(name: str, spec, engine: EngineOptions, settings: CompareSettings
     if top2 is not None:
         result["top2"] = top2
         result["top2_gaps"] = [[a[1] - b[1] if b else None for a, b in row] for row in top2]
-    # with tensor parallelism the proposer lives in the worker processes: no selector stats, no spec sweep
-    in_process = llm.llm_engine.vllm_config.parallel_config.world_size == 1
+    if ranks_before is not None:  # the batch's drafts verified after the device cut, on each rank
+        result["ranks"] = [{**a, "verified_drafts": a["verified_drafts"] - b["verified_drafts"]}
+                           if a.get("verified_drafts") is not None else a
+                           for a, b in zip(rank_stats(llm), ranks_before)]
     selector = length_selector(llm) if spec is not None and in_process else None
     if selector is not None:
         result["selector"] = selector.stats()  # lengths verified since the engine started (all runs above)
