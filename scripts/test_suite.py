@@ -230,12 +230,18 @@ def main() -> int:
     for s, name, _ in sorted(cases, reverse=True)[:10]:
         print(f"{s:8.1f} s  {name}")
     counts: dict[str, int] = {}
+    diagnostics = 0  # the identity check's routing-margin engines, outside the budget
     if starts_log.exists():
         for line in starts_log.read_text().splitlines():
-            test = json.loads(line)["test"]
+            record = json.loads(line)
+            if record.get("diagnostic"):
+                diagnostics += 1
+                continue
+            test = record["test"]
             counts[test.split("::")[0]] = counts.get(test.split("::")[0], 0) + 1
     budget = engine_starts.budget()
-    print(f"== engine starts: {sum(counts.values())} (budget {sum(budget.values())})")
+    print(f"== engine starts: {sum(counts.values())} (budget {sum(budget.values())}), and {diagnostics} "
+          "diagnostic (routing margins)")
     for f in sorted(set(counts) | set(budget)):
         print(f"{counts.get(f, 0):5d} of {budget.get(f, 0):3d}  {f}")
     outcomes = [o for _, _, o in cases]

@@ -259,9 +259,11 @@ def routing_margin(model: str, tokens: list[int], **engine_args) -> float:
     import torch
     from vllm import LLM, SamplingParams
 
+    from ..engine_starts import diagnostic
     from .conftest import runner_of
 
-    llm = LLM(model=model, **engine_args)
+    with diagnostic():  # an engine only some draws need: outside the file's engine-start budget
+        llm = LLM(model=model, **engine_args)
     runner = runner_of(llm)
     k = llm.llm_engine.vllm_config.model_config.hf_config.num_experts_per_tok
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (MoE input, router logits) of every chunk and layer
