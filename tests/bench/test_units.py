@@ -165,3 +165,46 @@ def test_a_cancelled_closed_loop_ends_even_if_a_request_swallows_the_cancellatio
     print(f"ended {seconds:.3f} s after the cancel; {num_sent} requests sent, {num_results} results")
     assert seconds < 1.0
     assert num_sent == num_results  # every request sent was answered, none sent after the cancel
+
+
+def test_the_kv_sampler_stops_even_if_a_scrape_swallows_the_cancellation(monkeypatch):
+    """``KVUsageSampler.stop`` cancels its loop while a scrape is under way whose HTTP layer turns the
+    cancellation into no answer (aiohttp's timeout can; a CI soak given Ctrl-C then hung in ``stop``).
+    It must return within a second, not scrape on."""
+    import asyncio
+
+    from vllm_hybridspec.bench import metrics
+
+    scrapes, swallowed = [], []
+
+    async def scrape(session, base_url):
+        scrapes.append(time.monotonic())
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            if swallowed:  # the first cancellation only, so that a stuck sampler can still be ended below
+                raise
+            swallowed.append(True)
+            return None  # swallowed, as aiohttp's timeout turned into "no answer"
+        return {metrics.KV_USAGE: 0.5}
+
+    monkeypatch.setattr(metrics, "scrape", scrape)
+
+    async def main():
+        sampler = metrics.KVUsageSampler(None, "http://stub", interval=0.01)
+        sampler.start()
+        await asyncio.sleep(0.5)
+        began = time.monotonic()
+        stop = asyncio.ensure_future(sampler.stop())
+        await asyncio.wait({stop}, timeout=2)
+        ended, stuck = time.monotonic(), not stop.done()
+        while not stop.done():  # a sampler that ignores its stop: cancel until one lands between scrapes
+            sampler._task.cancel()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # a loop still running would scrape again meanwhile
+        return stuck, ended - began, stop.result(), [t for t in scrapes if t > ended]
+
+    stuck, seconds, kv, later = asyncio.run(main())
+    assert not stuck, "KVUsageSampler.stop did not return within 2 s of a cancellation the scrape swallowed"
+    assert seconds < 1.0 and later == []
+    assert kv["num_samples"] >= 1 and kv["mean"] == 0.5

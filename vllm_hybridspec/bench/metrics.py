@@ -61,24 +61,32 @@ def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] |
 
 
 class KVUsageSampler:
-    """Samples the KV-cache usage gauge every ``interval`` seconds while a level runs."""
+    """Samples the KV-cache usage gauge every ``interval`` seconds while a level runs.
+
+    :meth:`stop` ends the loop through a flag as well as by cancelling it: a cancellation that arrives
+    inside a scrape can come out of aiohttp's timeout as an ordinary ``TimeoutError``, which ``scrape``
+    reports as no answer, and a loop that only waited for its cancellation then ran on, leaving a soak
+    that got Ctrl-C hanging in ``stop`` (a CI run of ``test_soak.py``, 2026-12-04)."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float):
         self.session, self.base_url, self.interval = session, base_url, interval
         self.samples: list[float] = []
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             values = await scrape(self.session, self.base_url)
             if values and KV_USAGE in values:
                 self.samples.append(values[KV_USAGE])
-            await asyncio.sleep(self.interval)
+            if not self._stopping:
+                await asyncio.sleep(self.interval)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> dict:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             try:
