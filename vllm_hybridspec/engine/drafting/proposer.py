@@ -30,7 +30,7 @@ from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
 from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.gate import sync_scheduler
-from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
+from vllm_hybridspec.engine.length.selector import BudgetCache, LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.options import hybridspec_options
 from vllm_hybridspec.engine.replay.config import replay_options
@@ -69,6 +69,7 @@ class RunnerDFlashProposer(DFlashProposer):
                 attach_cut(runner)
                 self.length_selector.on_configure = lambda sel: sync_scheduler(vllm_config, sel)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
+        self._budget = BudgetCache()  # the rows' budget ends on the device, kept while the batch holds
         self.round_capture = None  # calibration records, with "hybridspec": {"capture": path}
         if options is not None and options.capture is not None:
             self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
@@ -113,7 +114,7 @@ class RunnerDFlashProposer(DFlashProposer):
             else:
                 k = drafts.shape[1]
                 top1, ent = (x.view(-1, k)[:N] for x in self._signals)
-                w_rem = remaining_budget(self.runner, prefix_lens, k)
+                w_rem = remaining_budget(self.runner, prefix_lens, k, self._budget)
                 capture.drafted(self.runner, top1, ent, w_rem)
         if selector is None or drafts.shape[1] == 0:
             return drafts
@@ -123,7 +124,7 @@ class RunnerDFlashProposer(DFlashProposer):
             k = drafts.shape[1]
             top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
             if w_rem is None:
-                w_rem = remaining_budget(self.runner, prefix_lens, k)
+                w_rem = remaining_budget(self.runner, prefix_lens, k, self._budget)
             selector.select(drafts, top1, ent, w_rem, self.runner.input_batch.req_ids)
         return drafts
 
@@ -216,7 +217,7 @@ class HSpecProposer(RunnerDFlashProposer):
         self.last_draft = block
         w_rem = None  # [N], computed once for the capture and the selector
         if self.round_capture is not None or (selector is not None and selector.trims):
-            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens)
+            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens, self._budget)
         if self.round_capture is not None:
             self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
         if selector is not None and selector.trims:

@@ -34,6 +34,11 @@ def check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "") not in ("", "0", "graph")
 
 
+def any_check_enabled() -> bool:
+    """Either check (``=1`` or ``=graph``): one environment read for the per-step hooks."""
+    return os.environ.get(CHECK_ENV, "") not in ("", "0")
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

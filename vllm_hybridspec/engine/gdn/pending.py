@@ -45,7 +45,10 @@ logger = logging.getLogger(__name__)
 PLAN_SLAB, PLAN_PENDING, PLAN_TARGET = 0, 1, 2
 # per batch row: the slab whose m the sampler's output sets, and whether m is fixed to 1
 ROW_SLAB, ROW_SINGLE = 3, 4
-PLAN_ROWS = 5
+# per layout position: the entry of m_of_slab its pending round's m is read from (the slab, or the
+# always-zero entry E + 1 when nothing is pending), so pending_m is one gather
+PLAN_M_SOURCE = 5
+PLAN_ROWS = 6
 
 
 @dataclass
@@ -91,10 +94,15 @@ class PendingRounds:
         n = max(max_num_reqs, max_num_seqs)
         pin = self.device.type == "cuda"
         self._host = torch.zeros(PLAN_ROWS, n, dtype=torch.int32, pin_memory=pin)
-        self.plan_dev = torch.zeros(PLAN_ROWS, n, dtype=torch.int32, device=self.device)  # [5, n]
-        self.m_of_slab = torch.zeros(self.E + 1, dtype=torch.int32, device=self.device)  # [E + 1]
+        self._host_np = self._host.numpy()  # the same memory: the plan is written without torch dispatch
+        self._empty_np = np.empty_like(self._host_np)  # the empty plan (see _reset_plan)
+        e = self._empty_np
+        e[PLAN_SLAB], e[PLAN_PENDING], e[PLAN_TARGET] = self.E, -1, 2 * self.E
+        e[ROW_SLAB], e[ROW_SINGLE], e[PLAN_M_SOURCE] = self.E, 0, self.E + 1
+        self.plan_dev = torch.zeros(PLAN_ROWS, n, dtype=torch.int32, device=self.device)  # [6, n]
+        # [E + 2]: m per slab (E: the scratch slab), and entry E + 1, which stays 0 (nothing pending)
+        self.m_of_slab = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
         self.pending_m = torch.zeros(n, dtype=torch.int32, device=self.device)  # [n] per layout position
-        self._zero = torch.zeros((), dtype=torch.int32, device=self.device)
         self.step = StepPlan()
         # for tests and logs: steps that verified rounds, those with one-token rounds and how many, rows
         # next to rounds that took vLLM's path, rounds committed outside a verification
@@ -127,13 +135,8 @@ class PendingRounds:
     def _reset_plan(self) -> None:
         """Every layout position and row points at the scratch slab, nothing pending: what a forward
         that is not a served step (vLLM's dummy runs, graph captures) must see."""
-        h = self._host
-        h[PLAN_SLAB].fill_(self.E)
-        h[PLAN_PENDING].fill_(-1)
-        h[PLAN_TARGET].fill_(2 * self.E)
-        h[ROW_SLAB].fill_(self.E)
-        h[ROW_SINGLE].zero_()
-        self.plan_dev.copy_(h, non_blocking=True)
+        self._host_np[:] = self._empty_np
+        self.plan_dev.copy_(self._host, non_blocking=True)
         self.pending_m.zero_()
         self._plan_is_empty = True  # every position on the scratch slab, nothing pending (plan skips rewriting it)
         self.step = StepPlan()
@@ -170,28 +173,27 @@ class PendingRounds:
         self.step = layout
         if not layout.rows and self._plan_is_empty:
             return layout  # the device holds the empty plan already: a step without rounds costs nothing
-        h = self._host
-        h[PLAN_SLAB].fill_(self.E)
-        h[PLAN_PENDING].fill_(-1)
-        h[PLAN_TARGET].fill_(2 * self.E)
-        h[ROW_SLAB].fill_(self.E)
-        h[ROW_SINGLE].zero_()
+        # written through a numpy view of the (pinned) host buffer: no torch op per field
+        h = self._host_np
+        h[:] = self._empty_np
         for i, row in enumerate(layout.rows):
             req_id = req_ids[row]
             q = self._slab(req_id)
             pend = self.pending.pop(req_id, None)
             target = 1 - self.last_half.get(req_id, 1)
             h[PLAN_SLAB, i] = q
-            h[PLAN_PENDING, i] = -1 if pend is None else 2 * q + pend.half
+            if pend is not None:
+                h[PLAN_PENDING, i] = 2 * q + pend.half
+                h[PLAN_M_SOURCE, i] = q
             h[PLAN_TARGET, i] = 2 * q + target
             h[ROW_SLAB, row] = q
             h[ROW_SINGLE, row] = int(i >= layout.num_spec)
             self.last_half[req_id] = target
             self.pending[req_id] = _Pending(target, {g: int(s[row]) for g, s in slots.items()})
-        self.plan_dev.copy_(h, non_blocking=True)
+        self.plan_dev.copy_(self._host, non_blocking=True)
         # m of each position's pending round, on the device: the sampler of the step that verified it
-        # wrote it into m_of_slab, which this step's kernels read
-        torch.where(self.pending_entry >= 0, self.m_of_slab[self.slab.long()], self._zero, out=self.pending_m)
+        # wrote it into m_of_slab, which this step's kernels read (0 where nothing is pending)
+        torch.index_select(self.m_of_slab, 0, self.plan_dev[PLAN_M_SOURCE], out=self.pending_m)
         self._plan_is_empty = not layout.rows
         return layout
 
@@ -251,8 +253,8 @@ class PendingRounds:
         n = output_token_ids.shape[0]
         if n == 0 or not self.step.rows:  # no round this step (a gated step, prefills): nothing to commit
             return
-        counts = (output_token_ids != -1).sum(dim=1).to(torch.int32)
-        m = torch.where(self.plan_dev[ROW_SINGLE, :n] > 0, self._zero + 1, counts)
+        counts = (output_token_ids != -1).sum(dim=1, dtype=torch.int32)
+        m = torch.where(self.plan_dev[ROW_SINGLE, :n] > 0, 1, counts)
         self.m_of_slab.index_copy_(0, self.plan_dev[ROW_SLAB, :n].long(), m)
 
     def reset_step(self) -> None:

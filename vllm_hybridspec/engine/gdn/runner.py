@@ -31,7 +31,7 @@ from vllm_hybridspec.engine.compat import (
     patch_runner_before_dummy_run,
     wrap_once,
 )
-from vllm_hybridspec.engine.gdn.check import check_recorded_steps, log_sampled, warm_step_records
+from vllm_hybridspec.engine.gdn.check import any_check_enabled, check_recorded_steps, log_sampled, warm_step_records
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
 
@@ -116,8 +116,9 @@ def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) 
     """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``)."""
     rounds = rounds_of(runner)
     if rounds is not None:
-        check_recorded_steps([layer for layers in rounds.groups.values() for layer in layers])
-        log_sampled(rounds, output_token_ids)
+        if any_check_enabled():  # the self-check's hooks (engine/gdn/check.py); off when serving
+            check_recorded_steps([layer for layers in rounds.groups.values() for layer in layers])
+            log_sampled(rounds, output_token_ids)
         rounds.sampled(output_token_ids)
 
 

@@ -123,11 +123,9 @@ def _no_round_when_nothing_is_drafted(original):
 
         selector = selector_of(self)
         if selector is not None and skips_drafting(self, scheduler_output, spec_decode_metadata):
-            import torch
-
             # an empty drafts tensor, as the drafter returns for K = 0; vLLM's bookkeeping keeps the
             # sampled tokens for the next step's inputs (prev_sampled_token_ids) when no round ran
-            return selector.gated(torch.empty(self.input_batch.num_reqs, 0, dtype=torch.int64, device=self.device))
+            return selector.gated(selector.no_drafts(self.input_batch.num_reqs, self.device))
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 

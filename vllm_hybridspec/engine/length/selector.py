@@ -45,6 +45,7 @@ class LengthSelector:
         self.rows: dict[str, int] = {}  # request id -> its row of drafts and num_valid
         self.gated_drafts = False  # the drafts are a gated step's, verified nowhere (known on the host)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
+        self._no_drafts: dict[int, torch.Tensor] = {}  # n -> an [n, 0] drafts tensor (no_drafts)
 
     def _apply(self, options: HybridSpecOptions) -> None:
         policy = Policy.load(options.policy, self.device) if options.policy else None  # may raise: nothing set yet
@@ -106,6 +107,14 @@ class LengthSelector:
         self.gated_steps += 1
         self.drafts, self.num_valid, self.rows, self.gated_drafts = drafts, None, {}, True
         return drafts
+
+    def no_drafts(self, n: int, device) -> torch.Tensor:
+        """An ``[n, 0]`` int64 drafts tensor (a step that drafts nothing), made once per ``n``: it holds
+        no element, so the same object serves every such step."""
+        empty = self._no_drafts.get(n)
+        if empty is None:
+            empty = self._no_drafts[n] = torch.empty(n, 0, dtype=torch.int64, device=device)
+        return empty
 
     def select(self, drafts: torch.Tensor, top1_prob: torch.Tensor, entropy: torch.Tensor,
                w_rem: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
@@ -173,28 +182,48 @@ def draft_signals(logits: torch.Tensor, rows_per_chunk: int = 4096) -> tuple[tor
     return top1, ent
 
 
-def remaining_budget(runner, prefix_lens: torch.Tensor, k: int) -> torch.Tensor:
+def remaining_budget(runner, prefix_lens: torch.Tensor, k: int, cache: "BudgetCache | None" = None) -> torch.Tensor:
     """``w_rem`` [N] int64: the tokens each request may still emit after the anchor, as a round
     length cap in ``1..K+1`` (a round of length ``w`` emits at most ``w`` tokens).
 
     ``budget_end`` = prompt + min(max_tokens, max_model_len - prompt) is host data of the input batch
     (vLLM keeps ``max_tokens`` only on the host); ``prefix_lens + 1`` (cached tokens plus the anchor)
-    is on device and exact without a sync even under async scheduling.
+    is on device and exact without a sync even under async scheduling. With ``cache`` the device copy
+    of ``budget_end`` is reused while the rows hold the same requests (:class:`BudgetCache`).
     """
-    batch = runner.input_batch
-    n = prefix_lens.shape[0]
-    max_model_len = runner.max_model_len
-    end = np.empty(n, dtype=np.int64)  # budget_end - 1: the anchor's "+ 1" folded in on the host
-    for i, req_id in enumerate(batch.req_ids[:n]):
-        state = runner.requests[req_id]
-        prompt = state.num_prompt_tokens
-        max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
-        end[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt) - 1
-    end_host = torch.from_numpy(end)
-    if prefix_lens.device.type == "cuda":
-        # from pageable memory a "non_blocking" copy may wait for the stream (CUDA's API sync notes:
-        # the driver may synchronize with the stream to stage pageable memory); from pinned memory it
-        # is queued (the caching host allocator keeps the block until the copy is done)
-        end_host = end_host.pin_memory()
-    end_dev = end_host.to(prefix_lens.device, non_blocking=True)
+    end_dev = (cache or BudgetCache()).budget_end(runner, prefix_lens.shape[0], prefix_lens.device)
     return torch.sub(end_dev, prefix_lens).clamp_(1, k + 1)  # int64 - int32/int64 -> int64
+
+
+class BudgetCache:
+    """``budget_end - 1`` per row on the device, rebuilt only when the rows' requests change: a
+    request's prompt length and ``max_tokens`` are fixed, so a step with the same requests in the same
+    rows (every decode step of a steady batch) needs no host loop, no pinned staging and no copy."""
+
+    def __init__(self):
+        self._states: list = []  # the rows' CachedRequestState objects (held: identity is the key)
+        self._end: torch.Tensor | None = None
+
+    def budget_end(self, runner, n: int, device: torch.device) -> torch.Tensor:
+        batch = runner.input_batch
+        requests = runner.requests
+        states = [requests[req_id] for req_id in batch.req_ids[:n]]
+        end = self._end
+        if (end is not None and end.device == device and len(states) == len(self._states)
+                and all(a is b for a, b in zip(states, self._states))):
+            return end
+        max_model_len = runner.max_model_len
+        host = np.empty(n, dtype=np.int64)  # budget_end - 1: the anchor's "+ 1" folded in on the host
+        for i, state in enumerate(states):
+            prompt = state.num_prompt_tokens
+            max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
+            host[i] = prompt + min(max_tokens if max_tokens is not None else max_model_len, max_model_len - prompt) - 1
+        end_host = torch.from_numpy(host)
+        if device.type == "cuda":
+            # from pageable memory a "non_blocking" copy may wait for the stream (CUDA's API sync notes:
+            # the driver may synchronize with the stream to stage pageable memory); from pinned memory it
+            # is queued (the caching host allocator keeps the block until the copy is done)
+            end_host = end_host.pin_memory()
+        self._end = end_host.to(device, non_blocking=True)
+        self._states = states
+        return self._end
