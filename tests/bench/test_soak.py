@@ -132,7 +132,10 @@ def test_ctrl_c_leaves_the_json_marked_interrupted(tmp_path, prompts):
         proc = subprocess.Popen([sys.executable, "-m", "vllm_hybridspec.cli", "soak", "--url", server.url,
                                  "--prompts", str(tmp_path / "prompts.jsonl"), "-o", str(out), *ARGS,
                                  "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                                env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                                # Ctrl-C as a terminal delivers it: a suite started in the background by a
+                                # script (`cmd &`) inherits SIGINT ignored, and the soak then never sees it
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 90
         while server.completions <= PROBES + 4:  # the soak itself is under way
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -169,7 +169,7 @@ def test_a_cancelled_closed_loop_ends_even_if_a_request_swallows_the_cancellatio
 
 def test_the_kv_sampler_stops_even_if_a_scrape_swallows_the_cancellation(monkeypatch):
     """``KVUsageSampler.stop`` cancels its loop while a scrape is under way whose HTTP layer turns the
-    cancellation into no answer (aiohttp's timeout can; a CI soak given Ctrl-C then hung in ``stop``).
+    cancellation into no answer (aiohttp's timeout can; a soak given Ctrl-C would then hang in ``stop``).
     It must return within a second, not scrape on."""
     import asyncio
 

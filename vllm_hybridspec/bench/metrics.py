@@ -66,7 +66,7 @@ class KVUsageSampler:
     :meth:`stop` ends the loop through a flag as well as by cancelling it: a cancellation that arrives
     inside a scrape can come out of aiohttp's timeout as an ordinary ``TimeoutError``, which ``scrape``
     reports as no answer, and a loop that only waited for its cancellation then ran on, leaving a soak
-    that got Ctrl-C hanging in ``stop`` (a CI run of ``test_soak.py``, 2026-12-04)."""
+    that got Ctrl-C hanging in ``stop``."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float):
         self.session, self.base_url, self.interval = session, base_url, interval
