@@ -15,7 +15,7 @@ import torch
 
 from . import identity
 from .conftest import fresh_seed, kv_capacity_tokens, runner_of
-from .identity import ROUTER_TIE, TIES, GreedyRun, check_identity, routing_margin
+from .identity import ROUTER_TIE, TIES, GreedyRun, check_identity, float64_reference, routing_margin
 from .test_cpu_gdn_engine import TINY_QWEN3_NEXT
 
 pytestmark = pytest.mark.timeout(900)
@@ -59,10 +59,11 @@ def hybrid_llm(model, speculative_config=None, dtype="float32", **kwargs):
 def check_hybrid_identity(ours: GreedyRun, plain: GreedyRun, label: str, model: str, min_identical=MIN_IDENTICAL,
                           **engine):
     """The shared identity check for a tiny random hybrid (float32) against plain decoding, with the
-    routing margin measured at a divergence that is no token tie (by an engine of ``ENGINE`` updated by
-    ``engine``)."""
+    target's float64 log-probabilities and the routing margin (by an engine of ``ENGINE`` updated by
+    ``engine``) asked where a prompt is noisy or diverges without a token tie."""
     return check_identity(ours, plain, label, tie=TIES["tiny-hybrid"], min_identical=min_identical,
-                          router_margin=lambda tokens: routing_margin(model, tokens, **{**ENGINE, **engine}))
+                          router_margin=lambda tokens: routing_margin(model, tokens, **{**ENGINE, **engine}),
+                          reference=float64_reference(model))
 
 
 def gdn_layers(llm):

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from .conftest import fresh_seed
+from . import identity
 from .identity import ROUTER_TIE, GreedyRun, check_identity, judge
 
 TIE = 1e-4
@@ -188,3 +189,73 @@ def test_noise_after_a_router_tie_in_the_shared_prefix_is_excused_and_counts_as_
     asked.clear()
     v = judge(ours, plain, "too few", tie=TIE, min_identical=PROMPTS, router_margin=margin(0.0))
     assert not v.ok and asked == []
+
+
+def reference_of(truth: GreedyRun, asked: list | None = None):
+    """A float64 ``reference`` whose log-probabilities are ``truth``'s top-2 (every other token at -10)."""
+    import torch
+
+    def reference(prompt, tokens):
+        if asked is not None:
+            asked.append((list(prompt), list(tokens)))
+        n = truth.prompts.index(list(prompt))
+        rows = torch.full((len(tokens), VOCAB), -10.0, dtype=torch.float64)
+        for j in range(len(tokens)):
+            for t, lp in truth.top2[n][j]:
+                rows[j, t] = lp
+        return rows
+    return reference
+
+
+def shifted(run: GreedyRun, n: int, start: int, by: float) -> GreedyRun:
+    """``run`` with prompt ``n``'s log-probabilities moved by ``by`` from position ``start`` on."""
+    top2 = [[tuple(pos) for pos in row] for row in run.top2]
+    top2[n] = top2[n][:start] + [tuple((t, lp + by) for t, lp in pos) for pos in top2[n][start:]]
+    return GreedyRun([list(p) for p in run.prompts], [list(r) for r in run.tokens], top2)
+
+
+def test_noise_that_is_plain_decodings_own_error_is_excused_by_the_float64_reference(runs):
+    """Identical tokens, one prompt's log-probabilities 3x the bound apart from position 5 on: excused
+    when float64 puts plain decoding that far off and ours no farther (plain's own float32 error, seeds
+    1804613999 / 276928850 of the identity controls), and the prompt counts as not identical. The
+    planted errors: float64 agreeing with plain (ours is the one off), or on plain's far side (ours
+    farther off than plain by more than the bound); both fail."""
+    rng, plain, ours = runs
+    n, i = 6, 5
+    truth = shifted(ours, n, i, -3 * TIE)  # float64: ours (plus its reordering noise) moved 3 tie down
+    ours = shifted(ours, n, i, -3 * TIE + TIE / 10)  # ours near float64, plain 3 tie above it
+    asked = []
+    v = check_identity(ours, plain, "plain's own error", tie=TIE, min_identical=PROMPTS - 1,
+                       reference=reference_of(truth, asked))
+    assert [(d.prompt, d.position, d.kind) for d in v.noisy] == [(n, i, identity.PLAIN_ERROR)]
+    assert v.noisy[0].reference_error[0] < TIE / 2 and 2.5 * TIE < v.noisy[0].reference_error[1] < 3.5 * TIE
+    assert v.identical == PROMPTS - 1 and v.noise_at[0] != n
+    assert asked == [(plain.prompts[n], plain.tokens[n])]
+    for name, wrong in (("float64 is plain", plain), ("float64 beyond plain", shifted(plain, n, i, 3 * TIE))):
+        v = judge(ours, plain, name, tie=TIE, min_identical=PROMPTS - 1, reference=reference_of(wrong))
+        print(v)
+        assert not v.ok and "more than reordering noise" in v.failures[0] and v.noisy[0].kind is None
+
+
+def test_a_divergence_is_excused_by_the_float64_reference_only_where_it_sides_with_ours(runs):
+    """Prompt 3 parts at position 4 where plain ranks its token 3x the bound above ours (no token tie):
+    excused if float64 ranks ours first and puts plain farther off than ours; not if float64 ranks
+    plain's token first, and not if ours is farther off float64 than plain by more than the bound."""
+    rng, plain, ours = runs
+    n, i = 3, 4
+    plant_tie(plain, ours, n, i, rng, gap_plain=3 * TIE, gap_ours=TIE / 2)
+    (a, la), (b, lb) = plain.top2[n][i]
+    truth = GreedyRun([list(p) for p in plain.prompts], [list(r) for r in plain.tokens],
+                      [[tuple(pos) for pos in row] for row in plain.top2])
+    truth.top2[n][i] = ((b, ours.top2[n][i][0][1]), (a, ours.top2[n][i][1][1]))  # float64 = ours there
+    v = check_identity(ours, plain, "float64 sides with ours", tie=TIE, min_identical=PROMPTS - 1,
+                       reference=reference_of(truth))
+    assert [(d.prompt, d.position, d.kind) for d in v.divergences] == [(n, i, identity.PLAIN_ERROR)]
+    sides_with_plain = reference_of(plain)
+    v = judge(ours, plain, "float64 sides with plain", tie=TIE, min_identical=PROMPTS - 1, reference=sides_with_plain)
+    assert not v.ok and v.divergences[0].kind is None and "neither run has a tie" in v.failures[-1]
+    far = GreedyRun(truth.prompts, truth.tokens, [[tuple(pos) for pos in row] for row in truth.top2])
+    far.top2[n][i] = ((b, la - 6 * TIE), (a, la - 7 * TIE))  # ranks ours first, but 6 tie below our b, 3 below plain's
+    v = judge(ours, plain, "ours far from float64", tie=TIE, min_identical=PROMPTS - 1, reference=reference_of(far))
+    print(v)
+    assert not v.ok and v.divergences[0].kind is None and 5.5 * TIE < v.divergences[0].reference_error[0] < 6.5 * TIE

@@ -96,10 +96,11 @@ def speculative_run(model, spec, prompts, async_scheduling=False):
 
 
 def caught(ours, plain, label, model):
-    """The shared check's verdict on a bugged engine (check_hybrid_identity's, without the assert): it
-    must fail."""
+    """The shared check's verdict on a bugged engine (check_hybrid_identity's, float64 reference and
+    all, without the assert): it must fail."""
     verdict = judge(ours, plain, label, tie=TIES["tiny-hybrid"], min_identical=MIN_IDENTICAL,
-                    router_margin=lambda tokens: identity.routing_margin(model, tokens, **ENGINE))
+                    router_margin=lambda tokens: identity.routing_margin(model, tokens, **ENGINE),
+                    reference=identity.float64_reference(model))
     print(verdict)
     assert not verdict.ok, f"the identity check passed the planted bug {label!r}"
     return verdict
