@@ -8,26 +8,13 @@ import torch
 
 from vllm_hybridspec.engine.cpu.core import vllm_cpu_gdn_paths
 from vllm_hybridspec.kernels.gdn import CompactFactors, VerifyFactors, gdn_commit, reconstruct_state
+from vllm_hybridspec.kernels.gdn.conv import shift_conv_windows
 
 
 def commit_conv_windows(layer, slots: torch.Tensor, slab: torch.Tensor, m: torch.Tensor) -> None:
-    """Shift the conv window of every round ``i`` by its ``m[i]`` pending inputs: the window becomes
-    the last ``W = K_conv - 1`` columns of ``[window ; inputs 0..m-1 of slab[i]]``. ``slots``, ``slab``,
-    ``m``: ``[n]`` (slot 0, vLLM's null block, and ``m = 0`` leave a window as it is). Pure copies
-    with device indices (CUDA-graph safe); the windows are read before any is written."""
-    conv = vllm_cpu_gdn_paths().conv_view(layer).transpose(-1, -2)  # [slots, W, conv_dim] view
-    x_slab = layer.input_slab  # [(E + 1) * S, conv_dim]
-    W = conv.shape[1]
-    n = slots.shape[0]
-    S = layer.slab_len
-    slots = slots.long()
-    m = torch.where(slots > 0, m.long().clamp(0, S), 0)  # [n]
-    j = m[:, None] + torch.arange(W, device=m.device)[None]  # [n, W]: column of [window ; inputs]
-    old = conv.index_select(0, slots)  # [n, W, D]
-    from_window = old.gather(1, j.clamp(max=W - 1)[..., None].expand(n, W, old.shape[-1]))
-    rows = (slab.long()[:, None] * S + (j - W).clamp(min=0)).reshape(-1)
-    from_inputs = x_slab.index_select(0, rows).view(n, W, -1).to(conv.dtype)
-    conv.index_copy_(0, slots, torch.where((j < W)[..., None], from_window, from_inputs))
+    """Shift the conv window of every round ``i`` of ``layer`` by its ``m[i]`` pending inputs from its
+    input slab (``kernels.gdn.conv.shift_conv_windows`` on the layer's pool)."""
+    shift_conv_windows(vllm_cpu_gdn_paths().conv_view(layer), layer.input_slab, slots, slab, m, layer.slab_len)
 
 
 def commit_state_cpu(state: torch.Tensor, slabs: CompactFactors, slab_len: int, entries: list[int],

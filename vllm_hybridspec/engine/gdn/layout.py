@@ -5,7 +5,7 @@ inside a CUDA graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class StepLayout:
     target_entry: torch.Tensor
     pending_m: torch.Tensor
     slab_rows: torch.Tensor
-    conv_index: dict = field(default_factory=dict)  # conv window width -> [W + 1, T] gather indices
 
     @classmethod
     def build(cls, md, rounds: PendingRounds) -> StepLayout:
@@ -91,22 +90,6 @@ def _slab_rows(cu: torch.Tensor, slab: torch.Tensor, n: int, num_tokens: int, sl
     r = t - cu[seq]
     live = t < cu[-1]
     return torch.where(live, slab.long()[seq] * slab_len + r, dummy_slab * slab_len + t % slab_len)
-
-
-def spec_conv_index(cu: torch.Tensor, n: int, num_tokens: int, W: int) -> torch.Tensor:
-    """``[W + 1, T]`` rows of ``[windows (n * W rows, round-major) ; x (T rows)]`` that token ``t``
-    convolves with tap ``j``: its round ``i``'s input at offset ``r - W + j`` (``r`` = the token's
-    offset in its round), which is window column ``r + j`` when ``r + j < W``, else input
-    ``t + j - W``. Built on the device from the offsets."""
-    device = cu.device
-    t = torch.arange(num_tokens, device=device)
-    cu = cu.long()
-    # tokens past the last round's end (padding) count as the last round's, so their (unused)
-    # indices stay inside the source
-    seq = torch.searchsorted(cu[1:], t, right=True).clamp_(max=n - 1)
-    r = t - cu[seq]
-    j = torch.arange(W + 1, device=device)[:, None]
-    return torch.where(r + j < W, seq * W + r + j, n * W + t + j - W)
 
 
 # step_layout's cache: id(metadata) -> (metadata, its StepLayout). The entry holds the metadata object,
