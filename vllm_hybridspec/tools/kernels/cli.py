@@ -7,10 +7,11 @@
     hybridspec kernels tune --out tune.jsonl                                 # launch sweep of each part
     hybridspec kernels profile --batch 1 --length 16                         # one round per kernel, for ncu
     hybridspec kernels draft-round --batches 1,4,16,64 --json draft_round.json  # the H-Spec drafting round
+    hybridspec kernels spec-conv --json spec_conv.json                        # the one-launch spec-step conv
 
 Without the package installed (a bare GPU machine, ``examples/device_setup.sh``): ``python3 -m
 vllm_hybridspec.cli kernels ...``. What each measures: the docstrings of :mod:`.gdn_compare`,
-:mod:`.fused_round`, :mod:`.tune`, :mod:`.profile` and :mod:`.draft_round`.
+:mod:`.fused_round`, :mod:`.tune`, :mod:`.profile`, :mod:`.draft_round` and :mod:`.spec_conv`.
 """
 
 from __future__ import annotations
@@ -296,3 +297,28 @@ def draft_round(
     typer.echo(f"ms per round, {result['meta']['device']}, read bandwidth "
                f"{result['meta']['read_bandwidth_TBps']:.2f} TB/s, capacity {capacity}")
     typer.echo(dr.format_table(result["rows"]))
+
+
+@kernels_app.command("spec-conv")
+def spec_conv(
+    batches: str = typer.Option("1,4,16", help="requests per step B, comma-separated"),
+    lengths: str = typer.Option("2,16", help="tokens per round, comma-separated (16 = K + 1 of a full-graph step)"),
+    conv_dim: int = typer.Option(8192, min=1, help="channels (Qwen3.6-35B-A3B: 2 x 16 x 128 + 32 x 128)"),
+    width: int = typer.Option(4, min=2, help="the convolution's kernel size K_conv"),
+    layers: int = typer.Option(9, min=1, help="GDN layers per step, for the per-step saving (the 12-layer slice: 9)"),
+    samples: int = typer.Option(20, min=3, help="timed samples per variant"),
+    replays: int = typer.Option(20, min=1, help="graph replays per sample"),
+    json_out: Path | None = typer.Option(None, "--json", help="where to write the timings and the run's meta"),
+) -> None:
+    """The one-slot layer's spec-step convolution of one GDN layer: the one-launch kernel against the
+    torch ops it replaced, each a CUDA graph, after checking that they agree (CUDA only)."""
+    _needs_cuda("kernels spec-conv")
+    _output(json_out, "--json")
+    from . import spec_conv as bench
+
+    result = bench.run(int_list(batches, "batches"), int_list(lengths, "lengths"), conv_dim, width, samples,
+                       replays, layers)
+    result["meta"]["command"] = (f"hybridspec kernels spec-conv --batches {batches} --lengths {lengths} "
+                                 f"--conv-dim {conv_dim} --width {width} --layers {layers}"
+                                 + (f" --json {json_out}" if json_out else ""))
+    _write_json(json_out, result)

@@ -1,0 +1,92 @@
+"""The one-slot layer's spec-step convolution of one GDN layer, vLLM-free: the one-launch kernel
+(``kernels.gdn.conv.spec_conv``) against the torch ops the layer ran before it (the window commit
+``shift_conv_windows``, the gather-and-reduce convolution and the input-slab ``index_copy_``, with the
+step's gather indices built once, as the layer cached them per step), each as one CUDA graph, after
+checking the two agree. B requests of one round of ``length`` tokens (``K + 1 = 16`` in a full-graph
+spec step, whatever the selected length), each with ``length - 1`` pending inputs to commit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_hybridspec.kernels.gdn.conv import shift_conv_windows, spec_conv, spec_conv_index, spec_conv_torch
+
+from .timing import graph_ms, log
+
+
+def make_step(B: int, length: int, conv_dim: int, width: int, dtype, device, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    W, S = width - 1, length
+    slots = B + 1
+    pool = torch.randn(slots, W, conv_dim, generator=gen).to(dtype).to(device)  # vLLM's layout: [slots, W, D]
+    step = dict(
+        pool=pool, conv=pool.transpose(1, 2),
+        x=torch.randn(B * length, conv_dim, generator=gen).to(dtype).to(device),
+        x_slab=torch.randn((B + 1) * S, conv_dim, generator=gen).to(dtype).to(device),
+        taps=(torch.randn(width, conv_dim, generator=gen) * 0.5).to(dtype).float().to(device),
+        bias=(torch.randn(conv_dim, generator=gen) * 0.1).to(dtype).float().to(device),
+        slots=torch.arange(1, B + 1, dtype=torch.int32, device=device),
+        slab=torch.arange(B, dtype=torch.int32, device=device),
+        pending_m=torch.full((B,), max(length - 1, 1), dtype=torch.int32, device=device),
+        cu=torch.arange(0, B * length + 1, length, dtype=torch.int32, device=device),
+        S=S)
+    n, T = B, B * length
+    step["idx"] = spec_conv_index(step["cu"], n, T, W)
+    t = torch.arange(T, device=device)
+    step["rows"] = step["slab"].long().repeat_interleave(length) * S + t % length
+    return step
+
+
+def fused(s: dict) -> torch.Tensor:
+    return spec_conv(s["conv"], s["x"], s["x_slab"], s["taps"], s["bias"], s["slots"], s["slab"], s["pending_m"],
+                     s["cu"], s["S"], silu=True)
+
+
+def torch_ops(s: dict) -> torch.Tensor:
+    """The layer's torch ops before the one-launch kernel, indices precomputed."""
+    conv, x, taps = s["conv"], s["x"], s["taps"]
+    shift_conv_windows(conv, s["x_slab"], s["slots"], s["slab"], s["pending_m"], s["S"])
+    W, n, T = conv.shape[-1], s["slots"].shape[0], x.shape[0]
+    windows = conv.index_select(0, s["slots"].long()).transpose(1, 2).reshape(n * W, -1)
+    src = torch.cat([windows.to(x.dtype), x])
+    inputs = src.index_select(0, s["idx"].reshape(-1)).view(W + 1, T, -1).float()
+    out = torch.nn.functional.silu((inputs * taps[:, None, :]).sum(0) + s["bias"]).to(x.dtype)
+    s["x_slab"].index_copy_(0, s["rows"], x)
+    return out
+
+
+def check(B: int, length: int, conv_dim: int, width: int, dtype, device) -> float:
+    """Largest |fused - torch| of the outputs, pools and slabs equal (raises otherwise)."""
+    a = make_step(B, length, conv_dim, width, dtype, device, seed=B * 100 + length)
+    b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    b["conv"] = b["pool"].transpose(1, 2)
+    out_a = fused(a)
+    out_b = spec_conv_torch(b["conv"], b["x"], b["x_slab"], b["taps"], b["bias"], b["slots"], b["slab"],
+                            b["pending_m"], b["cu"], b["S"], True)
+    if not (torch.equal(a["pool"], b["pool"]) and torch.equal(a["x_slab"], b["x_slab"])):
+        raise AssertionError(f"B={B} length={length}: the fused kernel's windows or slabs differ from torch's")
+    return float((out_a.float() - out_b.float()).abs().max())
+
+
+def run(batches: list[int], lengths: list[int], conv_dim: int, width: int, samples: int, replays: int,
+        layers: int) -> dict:
+    device = torch.device("cuda")
+    t0 = time.time()
+    rows = []
+    for B in batches:
+        for length in lengths:
+            err = check(B, length, conv_dim, width, torch.bfloat16, device)
+            s = make_step(B, length, conv_dim, width, torch.bfloat16, device)
+            row = {"B": B, "length": length, "max_abs_diff": err,
+                   "fused_ms": graph_ms(lambda: fused(s), samples, replays).ms,
+                   "torch_ms": graph_ms(lambda: torch_ops(s), samples, replays).ms}
+            row["saved_ms_per_step"] = (row["torch_ms"] - row["fused_ms"]) * layers
+            log(f"B={B} length={length}: fused {row['fused_ms'] * 1e3:.1f} us, torch ops {row['torch_ms'] * 1e3:.1f} us "
+                f"per layer; x{layers} layers saves {row['saved_ms_per_step']:.3f} ms per step; max |diff| {err:.2e}")
+            rows.append(row)
+    meta = {"device": torch.cuda.get_device_name(), "conv_dim": conv_dim, "width": width, "layers": layers,
+            "dtype": "bfloat16", "samples": samples, "replays": replays, "seconds": time.time() - t0}
+    return {"meta": meta, "rows": rows}
