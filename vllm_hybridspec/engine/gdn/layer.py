@@ -13,8 +13,7 @@ keeps, one slot and a ``K_conv - 1`` wide window per request:
 - at the request's next forward, the same kernel first commits that pending round, ``S_m`` from the
   factors with ``m`` = accepted drafts + 1 (Eq. 7), writes it to the slot, and verifies the new
   round from it (``kernels.gdn.gdn_commit_verify``); the conv window is shifted by the same ``m``
-  inputs first, in the launch that convolves the round (``kernels.gdn.conv.spec_conv``; on the CPU
-  ``commit.commit_conv_windows`` and vLLM's CPU convolution);
+  inputs first (``commit.commit_conv_windows``);
 - rounds that no verification will consume (drafting turned off, a row on vLLM's path, a request
   left out of the batch) are committed before the forward (``pending.py``, ``runner.py``), so vLLM's
   own prefill and decode paths always read committed state.
@@ -40,7 +39,7 @@ from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, need
 from vllm_hybridspec.engine.gdn.layout import StepLayout, step_layout
 from vllm_hybridspec.engine.gdn.pending import pending_rounds_of
 from vllm_hybridspec.kernels.gdn import StatePointers, VerifyFactors, commit_verify_, gdn_commit_verify, gdn_gating
-from vllm_hybridspec.kernels.gdn.conv import spec_conv
+from vllm_hybridspec.kernels.gdn.conv import spec_conv_index
 
 
 class HSpecQwenGDN(QwenGatedDeltaNetAttention):
@@ -211,11 +210,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         record = graph_record(self, layout, mixed_qkv, core_attn_out) if graph_check_enabled() else None
         if record is not None:
             record.before(self, layout)
-        if self.kernels:  # the window commit, the convolution and the slab store in one launch
-            conv_out = self._spec_conv(layout, x)
-        else:
-            commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
-            conv_out = self._conv_cpu(layout, x)
+        commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
+        conv_out = self._conv(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         if self.kernels:
             out = gdn_commit_verify(q, k, v, g=a_s, beta=b_s, A_log=self.A_log, dt_bias=self.dt_bias,
@@ -231,8 +227,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
             check.finish(self, layout, x, b_s, a_s, out)
         if record is not None:
             record.after(self, layout, x, b_s, a_s, out)
-        if not self.kernels:
-            self.input_slab.index_copy_(0, layout.slab_rows, x.to(self.input_slab.dtype))
+        self.input_slab.index_copy_(0, layout.slab_rows, x.to(self.input_slab.dtype))
         if index is None:
             core_attn_out[:T] = out.to(core_attn_out.dtype)
             return
@@ -243,17 +238,17 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         out_n = non_spec(*(t.index_select(0, rest) for t in (mixed_qkv, b, a)))
         core_attn_out.index_copy_(0, rest, out_n.to(core_attn_out.dtype))
 
-    def _spec_conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
-        """The rounds' convolution on a GPU (``kernels.gdn.conv.spec_conv``): each slot's window shifted
-        by its pending round's ``m`` inputs and written back, the round's tokens convolved from it in
-        float32, and the round's inputs stored in its input slab. x ``[T, conv_dim]`` (pre-conv) ->
-        ``[T, conv_dim]``. vLLM's ``causal_conv1d_update`` kernel rounds differently (fused
-        multiply-adds; bf16 products for bf16 weights), so spec-step and plain-decode conv outputs agree
-        to rounding, not bit for bit."""
-        paths = vllm_cpu_gdn_paths()
-        taps, bias = self._conv_taps_fp32(paths.conv_weight(self))
-        return spec_conv(paths.conv_view(self), x, self.input_slab, taps, bias, layout.slots, layout.slab,
-                         layout.pending_m, layout.cu, self.slab_len, silu=self.activation in ("silu", "swish"))
+    def _conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
+        """The rounds' convolution from each slot's (committed) window, without writing the pool.
+        x ``[T, conv_dim]`` (pre-conv) -> ``[T, conv_dim]``."""
+        if not self.kernels:
+            return self._conv_cpu(layout, x)
+        conv = vllm_cpu_gdn_paths().conv_view(self)  # [slots, conv_dim, W]
+        W = conv.shape[-1]
+        idx = layout.conv_index.get(W)
+        if idx is None:
+            idx = layout.conv_index[W] = spec_conv_index(layout.cu, layout.n, x.shape[0], W)
+        return self._conv_from_windows(layout.slots, idx, x)
 
     def _conv_cpu(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
         """Per round with vLLM's own CPU convolution (``causal_conv1d_update_torch``), on a copy of the
@@ -270,6 +265,26 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                 conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
                                                 self.activation)[0].T
         return conv_out
+
+    def _conv_from_windows(self, slots: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each token's ``K_conv`` inputs gathered from ``[windows ; x]`` (``idx``, :func:`spec_conv_index`)
+        and combined in float32 (the products summed, then the bias, then SiLU). vLLM's
+        ``causal_conv1d_update`` kernel rounds differently (fused multiply-adds; bf16 products for bf16
+        weights), so spec-step and plain-decode conv outputs agree to rounding, not bit for bit."""
+        cpu = vllm_cpu_gdn_paths()
+        conv = cpu.conv_view(self)  # [slots, conv_dim, W]
+        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
+        W, n, T = conv.shape[-1], slots.shape[0], x.shape[0]
+        windows = conv.index_select(0, slots.long()).transpose(1, 2).reshape(n * W, -1)
+        src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [n * W + T, conv_dim]
+        taps = src.index_select(0, idx.reshape(-1)).view(W + 1, T, -1).float()  # [K_conv, T, conv_dim]
+        taps_w, bias = self._conv_taps_fp32(weight)
+        acc = (taps * taps_w[:, None, :]).sum(0)
+        if bias is not None:
+            acc = acc + bias
+        if self.activation in ("silu", "swish"):
+            acc = torch.nn.functional.silu(acc)
+        return acc.to(x.dtype)
 
     def _conv_taps_fp32(self, weight) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv weight as float32 taps ``[K_conv, conv_dim]`` and the bias in float32, converted once

@@ -5,7 +5,7 @@ inside a CUDA graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ class StepLayout:
     target_entry: torch.Tensor
     pending_m: torch.Tensor
     slab_rows: torch.Tensor
+    conv_index: dict = field(default_factory=dict)  # conv window width -> [W + 1, T] gather indices
 
     @classmethod
     def build(cls, md, rounds: PendingRounds) -> StepLayout:

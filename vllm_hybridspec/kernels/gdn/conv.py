@@ -1,7 +1,8 @@
 """The one-slot GDN layer's convolution of a spec step in one launch per layer: each round's conv window
 shifted by its pending round's ``m`` inputs and written back to the pool (the commit of the window),
-the round's tokens convolved from that window, and the round's pre-conv inputs stored in its input
-slab for the next commit.
+and the round's tokens convolved from that window. Storing the round's pre-conv inputs in its input
+slab (where the window's pending inputs were just read) is left to the caller, an ``index_copy_``
+after the launch, so that no memory the kernel reads is written by another thread of it.
 
 As torch ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is about thirty
 small kernels per layer and step (index arithmetic, gathers, copies, a float32 reduction): on the
@@ -9,6 +10,10 @@ small kernels per layer and step (index arithmetic, gathers, copies, a float32 r
 (``docs/benchmarks/h200-2026-12-04d``). Both compute the taps' products in float32 and add them in
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
+
+Not yet the layer's path: its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, with the
+slab store inside the kernel) found the windows or slabs of one of six shapes (16 requests of 2
+tokens) different from the torch form's; the store has moved out since, unmeasured on a GPU.
 """
 
 from __future__ import annotations
@@ -53,8 +58,6 @@ def _spec_conv_kernel(
     win32 = win.to(x.dtype.element_ty).to(tl.float32)  # as the reference: the inputs in x's dtype, then float32
     if HAS_BIAS:
         b = tl.load(bias + o_d, mask=m_d, other=0.0)
-    # the slab rows read above are rewritten below, by other threads of this program
-    tl.debug_barrier()
     for r in range(0, length):
         t = start + r
         acc = tl.zeros([BLOCK], tl.float32)
@@ -70,20 +73,19 @@ def _spec_conv_kernel(
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out + t * stride_out + o_d, acc.to(out.dtype.element_ty), mask=m_d)
-        x_t = tl.load(x + t * stride_x + o_d, mask=m_d, other=0.0)
-        tl.store(x_slab + (sb * S + r) * stride_slab + o_d, x_t.to(x_slab.dtype.element_ty), mask=m_d)
 
 
 def spec_conv(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
               slots: torch.Tensor, slab: torch.Tensor, pending_m: torch.Tensor, cu: torch.Tensor, slab_len: int,
               silu: bool) -> torch.Tensor:
-    """One launch: commit each round's conv window, convolve its tokens, store its inputs.
+    """One launch: commit each round's conv window and convolve its tokens (the caller then stores
+    the round's inputs in its slab, as :func:`spec_conv_torch` does).
 
     ``conv`` ``[slots, D, W]`` (any strides): the pool's windows, updated in place for rounds whose slot
     is not 0; ``x`` ``[T, D]``: the step's pre-conv inputs in round order (``cu`` ``[n + 1]`` int
-    offsets); ``x_slab`` ``[rows, D]``: the input slabs, round ``i``'s at rows ``slab[i] * slab_len``
-    onwards, holding its pending round's inputs on entry (``pending_m[i]`` of them are committed) and
-    the round's own on exit; ``taps`` ``[W + 1, D]`` float32 (the weight's values in float32), ``bias``
+    offsets); ``x_slab`` ``[rows, D]``: the input slabs (read only), round ``i``'s at rows
+    ``slab[i] * slab_len`` onwards, holding its pending round's inputs (``pending_m[i]`` of them are
+    committed); ``taps`` ``[W + 1, D]`` float32 (the weight's values in float32), ``bias``
     ``[D]`` float32 or ``None``. Returns ``[T, D]`` in ``x``'s dtype; rows past ``cu[n]`` (padding)
     are zero. Capturable in a CUDA graph (no host reads)."""
     T, D = x.shape
@@ -145,9 +147,9 @@ def spec_conv_index(cu: torch.Tensor, n: int, num_tokens: int, W: int) -> torch.
 def spec_conv_torch(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, taps: torch.Tensor,
                     bias: torch.Tensor | None, slots: torch.Tensor, slab: torch.Tensor, pending_m: torch.Tensor,
                     cu: torch.Tensor, slab_len: int, silu: bool) -> torch.Tensor:
-    """:func:`spec_conv` as torch ops: the window commit (:func:`shift_conv_windows`), each token's
+    """:func:`spec_conv` as torch ops: the window commit (:func:`shift_conv_windows`), then each token's
     ``W + 1`` inputs gathered from ``[windows ; x]`` (:func:`spec_conv_index`) in ``x``'s dtype and
-    combined in float32, and the inputs stored in the slabs."""
+    combined in float32."""
     n, T = slots.shape[0], x.shape[0]
     W = conv.shape[-1]
     shift_conv_windows(conv, x_slab, slots, slab, pending_m, slab_len)
@@ -165,10 +167,5 @@ def spec_conv_torch(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, t
     if silu:
         acc = torch.nn.functional.silu(acc)
     out = acc.to(x.dtype)
-    end = int(cu[n])
-    out[end:] = 0
-    t = torch.arange(end, device=x.device)
-    seq = torch.searchsorted(cu[1:].long(), t, right=True)
-    rows = slab.long()[seq] * slab_len + (t - cu.long()[seq])
-    x_slab.index_copy_(0, rows, x[:end].to(x_slab.dtype))
+    out[int(cu[n]):] = 0
     return out
