@@ -49,6 +49,45 @@ def summarize(averages, steps: int) -> dict:
             "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1])[:40])}
 
 
+def graph_split(events: list[dict], steps: int, top: int = 15) -> dict:
+    """The GPU time of a Chrome trace's kernels (and device copies and sets) split by where they were
+    launched: each CUDA-graph replay's kernels carry the ``cudaGraphLaunch``'s correlation id, so the
+    replays of one captured graph group together (told apart by their kernel counts: a spec step
+    replays the target's graph and the drafter's), and everything else is eager. Per group: kernels
+    and ms per replay (or per step, eager), and the ``top`` kernel names by time."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch" and "correlation" in e.get("args", {})}
+    replays: dict[int, list[dict]] = {}
+    eager: list[dict] = []
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        c = e.get("args", {}).get("correlation")
+        (replays.setdefault(c, []) if c in launches else eager).append(e)
+    groups: dict[int, list[list[dict]]] = {}
+    for kernels in replays.values():
+        groups.setdefault(len(kernels), []).append(kernels)
+
+    def table(kernels: list[dict], per: int) -> list[dict]:
+        by: dict[str, list[float]] = {}
+        for k in kernels:
+            name = k["name"].replace("void ", "").replace("at::native::", "")[:120]
+            by.setdefault(name, []).append(k.get("dur", 0.0))
+        rows = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:top]
+        return [{"kernel": n, "us": round(sum(d) / per, 2), "calls": round(len(d) / per, 2)} for n, d in rows]
+
+    out = {"graphs": [], "eager": {}}
+    for count, runs in sorted(groups.items(), key=lambda kv: -sum(k.get("dur", 0.0) for r in kv[1] for k in r)):
+        flat = [k for r in runs for k in r]
+        out["graphs"].append({"kernels_per_replay": count, "replays_per_step": round(len(runs) / steps, 2),
+                              "ms_per_replay": round(sum(k.get("dur", 0.0) for k in flat) / len(runs) / 1e3, 4),
+                              "top": table(flat, len(runs))})
+    out["eager"] = {"kernels_per_step": round(len(eager) / steps, 2),
+                    "ms_per_step": round(sum(k.get("dur", 0.0) for k in eager) / steps / 1e3, 4),
+                    "top": table(eager, steps)}
+    return out
+
+
 def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None, sync: bool = True) -> dict:
     """``warmup`` untimed steps, then ``steps`` profiled ones; writes ``ops.txt``, ``summary.json``
     (and ``trace.json``) under ``out`` and returns the summary (with ``runner``, the drafter's rounds
@@ -90,6 +129,7 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runne
         summary["drafter_rounds"] = rounds
     if trace:
         prof.export_chrome_trace(str(out / "trace.json"))
+        summary["gpu_split"] = graph_split(json.loads((out / "trace.json").read_text())["traceEvents"], steps)
     return summary
 
 
