@@ -43,7 +43,7 @@ def run(fn, pool, conv, x, x_slab, taps, bias, ints, m_shift=0):
     pool, x_slab = pool.clone(), x_slab.clone()
     view = pool if dim_first else pool.transpose(1, 2)
     pending = (ints["pending_m"] + m_shift).clamp(min=0)
-    out = fn(view, x, x_slab, taps, bias, ints["slots"], ints["slab"], pending, ints["cu"], S, True)
+    out = fn(view, x, x_slab, taps, bias, ints["slots"], ints["slab"], pending, ints["cu"], S, S, True)
     return out, pool, x_slab
 
 

@@ -4,16 +4,22 @@ and the round's tokens convolved from that window. Storing the round's pre-conv 
 slab (where the window's pending inputs were just read) is left to the caller, an ``index_copy_``
 after the launch, so that no memory the kernel reads is written by another thread of it.
 
-As torch ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is about thirty
+One program per round and block of channels computes every token of the round at once. As torch
+ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is about thirty
 small kernels per layer and step (index arithmetic, gathers, copies, a float32 reduction): on the
 35B-shape slice's nine GDN layers, 0.4-0.5 ms of a spec step's GPU time
 (``docs/benchmarks/h200-2026-12-04d``). Both compute the taps' products in float32 and add them in
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
 
-Not yet the layer's path: its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, with the
-slab store inside the kernel) found the windows or slabs of one of six shapes (16 requests of 2
-tokens) different from the torch form's; the store has moved out since, unmeasured on a GPU.
+Not yet the layer's path: its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, an
+earlier version that walked a round's tokens one by one and stored the slab itself) found the windows
+or slabs of one of six shapes (16 requests of 2 tokens) different from the torch form's. The window
+shift is in place (column ``c`` takes column ``c + m``), and that version's barrier came after the
+window's store instead of between its reads and its store, so one thread could read a column another
+had already overwritten; Triton's interpreter runs a program's loads before its stores and cannot
+show it. Here every read comes before the barrier, the store after it, and the kernel writes no slab;
+this version has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_D = 128  # channels per program
+MAX_TILE = 4096  # tokens x channels per program
 
 
 @triton.jit
@@ -31,7 +37,8 @@ def _spec_conv_kernel(
     slots, slab, pending_m, cu,  # [n], [n], [n], [n + 1] int
     D, S,
     stride_cs, stride_cd, stride_cw, stride_x, stride_slab, stride_out,
-    W: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
     o_d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -42,52 +49,66 @@ def _spec_conv_kernel(
     m = tl.where(slot > 0, tl.minimum(tl.maximum(m, 0), S), 0).to(tl.int64)
     start = tl.load(cu + i).to(tl.int64)
     length = tl.load(cu + i + 1).to(tl.int64) - start
+    p_conv = conv + slot * stride_cs + o_d[None, :] * stride_cd
+    p_slab = x_slab + sb * S * stride_slab + o_d[None, :]
 
-    # the committed window: column c of [window ; the pending round's inputs] at m + c
+    # everything is read from the pool as it was before any of it is written: the committed window's
+    # column c is column m + c of [window ; the pending round's inputs]
     o_w = tl.arange(0, BW)
     j = m + o_w  # [BW]
     m_w = o_w < W
-    from_window = tl.load(conv + slot * stride_cs + o_d[None, :] * stride_cd + tl.minimum(j, W - 1)[:, None] * stride_cw,
+    from_window = tl.load(p_conv + tl.minimum(j, W - 1)[:, None] * stride_cw,
                           mask=(m_w & (j < W))[:, None] & m_d[None, :], other=0.0)
-    from_inputs = tl.load(x_slab + (sb * S + tl.maximum(j - W, 0))[:, None] * stride_slab + o_d[None, :],
+    from_inputs = tl.load(p_slab + tl.maximum(j - W, 0)[:, None] * stride_slab,
                           mask=(m_w & (j >= W))[:, None] & m_d[None, :], other=0.0)
     win = tl.where((j < W)[:, None], from_window, from_inputs.to(from_window.dtype))  # [BW, BLOCK], pool dtype
-    if slot > 0:
-        tl.store(conv + slot * stride_cs + o_d[None, :] * stride_cd + o_w[:, None] * stride_cw, win,
-                 mask=m_w[:, None] & m_d[None, :])
-    win32 = win.to(x.dtype.element_ty).to(tl.float32)  # as the reference: the inputs in x's dtype, then float32
+
+    # every token of the round at once: tap jj reads the round's input at offset p = r - W + jj, or,
+    # for p < 0, the committed window's column W + p (column m + W + p of [window ; pending inputs])
+    o_t = tl.arange(0, BT)
+    m_t = o_t < length
+    acc = tl.zeros([BT, BLOCK], tl.float32)
+    for jj in tl.static_range(W + 1):
+        p = o_t - W + jj  # [BT]
+        jc = m + W + p
+        in_x = p >= 0
+        v_x = tl.load(x + (start + p)[:, None] * stride_x + o_d[None, :],
+                      mask=(m_t & in_x)[:, None] & m_d[None, :], other=0.0)
+        v_w = tl.load(p_conv + tl.minimum(tl.maximum(jc, 0), W - 1)[:, None] * stride_cw,
+                      mask=(m_t & ~in_x & (jc < W))[:, None] & m_d[None, :], other=0.0)
+        v_s = tl.load(p_slab + tl.maximum(jc - W, 0)[:, None] * stride_slab,
+                      mask=(m_t & ~in_x & (jc >= W))[:, None] & m_d[None, :], other=0.0)
+        v_win = tl.where((jc < W)[:, None], v_w, v_s.to(v_w.dtype)).to(v_x.dtype)  # as the reference: x's dtype
+        v = tl.where(in_x[:, None], v_x, v_win).to(tl.float32)
+        w_j = tl.load(taps + jj * D + o_d, mask=m_d, other=0.0)
+        acc += v * w_j[None, :]
     if HAS_BIAS:
-        b = tl.load(bias + o_d, mask=m_d, other=0.0)
-    for r in range(0, length):
-        t = start + r
-        acc = tl.zeros([BLOCK], tl.float32)
-        for jj in tl.static_range(W + 1):
-            p = r - W + jj  # input offset in the round; p < 0: window column W + p
-            w_j = tl.load(taps + jj * D + o_d, mask=m_d, other=0.0)
-            x_p = tl.load(x + (start + p) * stride_x + o_d, mask=m_d & (p >= 0), other=0.0)
-            x_p = x_p.to(tl.float32)
-            w_p = tl.sum(tl.where((o_w == W + p)[:, None], win32, 0.0), axis=0)
-            acc += tl.where(p >= 0, x_p, w_p) * w_j
-        if HAS_BIAS:
-            acc += b
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(out + t * stride_out + o_d, acc.to(out.dtype.element_ty), mask=m_d)
+        acc += tl.load(bias + o_d, mask=m_d, other=0.0)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out + (start + o_t)[:, None] * stride_out + o_d[None, :], acc.to(out.dtype.element_ty),
+             mask=m_t[:, None] & m_d[None, :])
+
+    # the window shift reads columns that other threads write: every read above before any write
+    tl.debug_barrier()
+    if slot > 0:
+        tl.store(p_conv + o_w[:, None] * stride_cw, win, mask=m_w[:, None] & m_d[None, :])
 
 
 def spec_conv(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
               slots: torch.Tensor, slab: torch.Tensor, pending_m: torch.Tensor, cu: torch.Tensor, slab_len: int,
-              silu: bool) -> torch.Tensor:
+              max_len: int, silu: bool) -> torch.Tensor:
     """One launch: commit each round's conv window and convolve its tokens (the caller then stores
     the round's inputs in its slab, as :func:`spec_conv_torch` does).
 
     ``conv`` ``[slots, D, W]`` (any strides): the pool's windows, updated in place for rounds whose slot
     is not 0; ``x`` ``[T, D]``: the step's pre-conv inputs in round order (``cu`` ``[n + 1]`` int
-    offsets); ``x_slab`` ``[rows, D]``: the input slabs (read only), round ``i``'s at rows
-    ``slab[i] * slab_len`` onwards, holding its pending round's inputs (``pending_m[i]`` of them are
-    committed); ``taps`` ``[W + 1, D]`` float32 (the weight's values in float32), ``bias``
-    ``[D]`` float32 or ``None``. Returns ``[T, D]`` in ``x``'s dtype; rows past ``cu[n]`` (padding)
-    are zero. Capturable in a CUDA graph (no host reads)."""
+    offsets, no round longer than ``max_len``); ``x_slab`` ``[rows, D]``: the input slabs (read only),
+    round ``i``'s at rows ``slab[i] * slab_len`` onwards, holding its pending round's inputs
+    (``pending_m[i]`` of them are committed); ``taps`` ``[W + 1, D]`` float32 (the weight's values in
+    float32), ``bias`` ``[D]`` float32 or ``None``. Returns ``[T, D]`` in ``x``'s dtype; rows past
+    ``cu[n]`` (padding) are zero. One program per round and block of channels, every token of the
+    round at once. Capturable in a CUDA graph (no host reads)."""
     T, D = x.shape
     n = slots.shape[0]
     W = conv.shape[-1]
@@ -95,11 +116,13 @@ def spec_conv(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, taps: t
     assert x.stride(-1) == 1 and x_slab.stride(-1) == 1 and taps.is_contiguous() and taps.shape == (W + 1, D)
     if n == 0 or T == 0:
         return out
-    grid = (n, triton.cdiv(D, BLOCK_D))
+    BT = triton.next_power_of_2(max(max_len, 1))
+    block = max(16, min(128, MAX_TILE // BT))
+    grid = (n, triton.cdiv(D, block))
     _spec_conv_kernel[grid](
         conv, x, x_slab, taps, bias if bias is not None else taps, out, slots, slab, pending_m, cu, D, slab_len,
         conv.stride(0), conv.stride(1), conv.stride(2), x.stride(0), x_slab.stride(0), out.stride(0),
-        W=W, BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, SILU=silu, BLOCK=BLOCK_D,
+        W=W, BW=triton.next_power_of_2(W), BT=BT, HAS_BIAS=bias is not None, SILU=silu, BLOCK=block,
         enable_fp_fusion=False)
     return out
 
@@ -146,7 +169,7 @@ def spec_conv_index(cu: torch.Tensor, n: int, num_tokens: int, W: int) -> torch.
 
 def spec_conv_torch(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, taps: torch.Tensor,
                     bias: torch.Tensor | None, slots: torch.Tensor, slab: torch.Tensor, pending_m: torch.Tensor,
-                    cu: torch.Tensor, slab_len: int, silu: bool) -> torch.Tensor:
+                    cu: torch.Tensor, slab_len: int, max_len: int, silu: bool) -> torch.Tensor:
     """:func:`spec_conv` as torch ops: the window commit (:func:`shift_conv_windows`), then each token's
     ``W + 1`` inputs gathered from ``[windows ; x]`` (:func:`spec_conv_index`) in ``x``'s dtype and
     combined in float32."""

@@ -43,7 +43,7 @@ def make_step(B: int, length: int, conv_dim: int, width: int, dtype, device, see
 def fused(s: dict) -> torch.Tensor:
     """The kernel, then the caller's store of the round's inputs in the slabs."""
     out = spec_conv(s["conv"], s["x"], s["x_slab"], s["taps"], s["bias"], s["slots"], s["slab"], s["pending_m"],
-                    s["cu"], s["S"], silu=True)
+                    s["cu"], s["S"], s["S"], silu=True)
     s["x_slab"].index_copy_(0, s["rows"], s["x"])
     return out
 
