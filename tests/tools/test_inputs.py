@@ -184,6 +184,7 @@ OUTPUTS = [
     ("kernels fused", "--json", "file", ["--shape", "tiny"], False),
     ("kernels tune", "--out", "file", ["--shape", "tiny"], False),  # before the CUDA check: testable here
     ("kernels draft-round", "--json", "file", [], False),
+    ("kernels spec-conv", "--json", "file", [], False),
 ]
 
 
@@ -320,6 +321,12 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
                                                            "numbers, got 'nan'"),
     (["kernels", "draft-round", "--batches", "1,4", "--json", "{tmp}/none/d.json"],
      "--json '{tmp}/none/d.json': directory '{tmp}/none' does not exist; create it or write elsewhere"),
+    (["kernels", "spec-conv", "--batches", "1,-4"], "--batches must be comma-separated positive integers, got "
+                                                    "'1,-4'"),
+    (["kernels", "spec-conv", "--lengths", "2,x"], "--lengths must be comma-separated positive integers, got "
+                                                   "'2,x'"),
+    (["kernels", "spec-conv", "--json", "{tmp}/none/c.json"],
+     "--json '{tmp}/none/c.json': directory '{tmp}/none' does not exist; create it or write elsewhere"),
     (["profile", "--model", DENSE, "--engine-args", '{"async_scheduling": true}', "--out", "{tmp}/p"],
      "--engine-args key 'async_scheduling' is set by --async-scheduling here; give that flag (or leave it out) "
      "instead"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...seeds import fresh_seed
-from ...serving.test_draft_round import K, build
+from .test_draft_round import K, build
 
 
 def test_compiled_layers_draft_what_the_eager_layers_draft():

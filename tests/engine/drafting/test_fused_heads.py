@@ -11,7 +11,7 @@ from vllm_hybridspec.kernels.markov import markov_heads_reference, top2_margins
 
 from ...kernels.markov_check import mismatches
 from ...seeds import fresh_seed
-from ...serving.test_draft_round import K, build
+from .test_draft_round import K, build
 
 
 @pytest.mark.parametrize(("N", "markov_rank", "candidates"), [(3, 16, 0), (2, 0, 0), (3, 16, 4)])

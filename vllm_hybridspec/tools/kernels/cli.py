@@ -312,12 +312,12 @@ def spec_conv(
 ) -> None:
     """The one-slot layer's spec-step convolution of one GDN layer: the one-launch kernel against the
     torch ops it replaced, each a CUDA graph, after checking that they agree (CUDA only)."""
-    _needs_cuda("kernels spec-conv")
+    bs, ls = int_list(batches, "batches"), int_list(lengths, "lengths")
     _output(json_out, "--json")
+    _needs_cuda("kernels spec-conv")
     from . import spec_conv as bench
 
-    result = bench.run(int_list(batches, "batches"), int_list(lengths, "lengths"), conv_dim, width, samples,
-                       replays, layers)
+    result = bench.run(bs, ls, conv_dim, width, samples, replays, layers)
     result["meta"]["command"] = (f"hybridspec kernels spec-conv --batches {batches} --lengths {lengths} "
                                  f"--conv-dim {conv_dim} --width {width} --layers {layers}"
                                  + (f" --json {json_out}" if json_out else ""))

@@ -24,7 +24,7 @@ from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.engine.length.selector import LengthSelector
 from vllm_hybridspec.engine.drafting.kv_cache import paged_kv_views
 
-from ..tiny_models import MASK, tiny_qwen3_config
+from ...tiny_models import MASK, tiny_qwen3_config
 
 K = 7
 
