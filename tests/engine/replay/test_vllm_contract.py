@@ -2,7 +2,8 @@
 
 The replay is served through vLLM's "dflash" route as an H-Spec proposer; what H-Spec itself needs of
 that route (the arguments the runner's DFlash branch passes to ``propose``, the step's K among them)
-is checked in ``tests/engine/test_vllm_internals.py``. Here: what the replay adds. It patches nothing."""
+is checked in ``tests/engine/drafting/test_vllm_contract.py``. Here: what the replay adds. It patches
+nothing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """vLLM 0.26's own GDN spec-decode kernel, the per-token-state path the one-slot layer replaces: the
-baseline of the kernel benchmark (``hybridspec kernels compare``) and of ``tests/engine/test_vllm_internals.py``."""
+baseline of the kernel benchmark (``hybridspec kernels compare``) and of
+``tests/engine/gdn/test_vllm_contract.py``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,221 @@
+"""The vLLM 0.26 symbols length selection (``engine/length/``) relies on keep their shape: the trimming
+(``trimming.py``: ``ngram_proposer_gpu``'s draft-count helpers, ``GPUModelRunner._get_draft_token_ids_cpu``,
+``_update_states``, ``sample_tokens``, ``SchedulerOutput``, ``CachedRequestState.prev_num_draft_len``,
+the TP group), the device cut (``cut.py``: ``RejectionSampler.forward`` and ``_get_logprobs_tensors``,
+``GPUModelRunner._sample``, ``MoERunner._apply_quant_method``, the forward context) and the scheduler
+gate (``gate.py``: vLLM's dynamic speculative decoding, ``Scheduler.dynamic_sd_lookup``,
+``VllmConfig``'s PIECEWISE switch, ``GPUModelRunner._bookkeeping_sync``)."""
+
+import torch
+
+
+def test_symbols_the_length_trimming_relies_on_keep_their_shape():
+    import inspect
+
+    from vllm.distributed import parallel_state
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.spec_decode import ngram_proposer_gpu
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    assert params(ngram_proposer_gpu.update_scheduler_for_invalid_drafts) == [
+        "num_valid_draft_tokens_event", "num_valid_draft_tokens_cpu", "scheduler_output", "req_id_to_index"]
+    assert params(ngram_proposer_gpu.copy_num_valid_draft_tokens) == [
+        "num_valid_draft_tokens_cpu", "num_valid_draft_tokens_copy_stream", "num_valid_draft_tokens_event",
+        "num_valid_draft_tokens", "batch_size"]
+    assert params(GPUModelRunner._get_draft_token_ids_cpu) == ["self"]
+    assert params(GPUModelRunner._update_states) == ["self", "scheduler_output"]
+    assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
+    fields = {f.name for f in __import__("dataclasses").fields(SchedulerOutput)}
+    assert {"num_scheduled_tokens", "scheduled_spec_decode_tokens", "total_num_scheduled_tokens",
+            "scheduled_cached_reqs"} <= fields
+    state_fields = {f.name for f in __import__("dataclasses").fields(CachedRequestState)}
+    assert {"prev_num_draft_len", "sampling_params"} <= state_fields
+    # the runner sets prev_num_draft_len from the (cut) scheduled drafts; the patch restores it after
+    source = inspect.getsource(InputBatch.update_req_spec_token_ids)
+    assert "request.prev_num_draft_len = num_spec_tokens" in source
+    # the runner hands the drafter's tensor to _draft_token_ids unchanged (the selector matches by identity)
+    source = inspect.getsource(inspect.unwrap(GPUModelRunner.sample_tokens))
+    assert "self._draft_token_ids = self.propose_draft_token_ids(" in source
+    assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
+
+
+class _Selector:
+    """A selector whose last drafts were a gated step's."""
+
+    active = True
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def gated_step(self, drafts):
+        return drafts is self.drafts
+
+
+class _FakeRunner:
+    """What the trimming wrappers read of ``GPUModelRunner``; the selector reaches them through
+    ``attach_selector``, as the proposer attaches its own."""
+
+    def __init__(self, selector, drafts, async_scheduling):
+        from types import SimpleNamespace
+
+        from vllm_hybridspec.engine.length.trimming import attach_selector
+
+        self._draft_token_ids, self.use_async_scheduling, self.requests = drafts, async_scheduling, {}
+        self.input_batch = SimpleNamespace(req_id_to_index={})
+        attach_selector(self, selector)
+
+
+_fake_runner = _FakeRunner
+
+
+def test_sync_trimming_empties_a_gated_steps_draft_lists():
+    from vllm_hybridspec.engine.length.trimming import _trimmed_draft_lists
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 6, 5
+    drafts = torch.randint(0, 100, (n, k), generator=gen)
+    req_ids = [f"r{i}" for i in range(n)]
+    wrapped = _trimmed_draft_lists(lambda self: (drafts.tolist(), req_ids))
+    got, ids = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=False))
+    assert ids == req_ids and got == [[] for _ in range(n)]
+    # drafts of a step that was not gated (the selected lengths are cut on the device) are left alone
+    other = torch.zeros_like(drafts)
+    got, _ = wrapped(_fake_runner(_Selector(drafts), other, async_scheduling=False))
+    assert got == drafts.tolist()  # the lists vLLM made, untouched
+    # async scheduling: the lists feed already-scheduled drafts, never cut here
+    got, _ = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=True))
+    assert got == drafts.tolist()
+
+
+def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_draft_len():
+    """What the runner's own ngram_gpu path does, with every count 0: scheduled tokens lowered by the
+    cut drafts, every request loses its entry, and prev_num_draft_len (set by _update_states from the
+    cut lists) is put back to the scheduler's untrimmed count."""
+    from types import SimpleNamespace
+
+    from vllm_hybridspec.engine.length.trimming import _trimmed_update_states
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    k, req_ids = 7, ["a", "b", "c", "d"]
+    drafts = torch.randint(0, 100, (4, k), generator=gen)
+
+    def scheduler_output():
+        return SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids),
+                               scheduled_spec_decode_tokens={r: [-1] * k for r in req_ids},
+                               num_scheduled_tokens={r: 1 + k for r in req_ids},
+                               total_num_scheduled_tokens=4 * (1 + k))
+
+    seen = {}
+
+    def original(self, scheduler_output):
+        seen["spec"] = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
+        for r in req_ids:  # what update_req_spec_token_ids does
+            self.requests[r].prev_num_draft_len = len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
+        return "done"
+
+    runner = _fake_runner(_Selector(drafts), drafts, async_scheduling=True)
+    runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+    runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
+    out = scheduler_output()
+    assert _trimmed_update_states(original)(runner, out) == "done"
+    assert seen["spec"] == {}
+    assert out.num_scheduled_tokens == {r: 1 for r in req_ids} and out.total_num_scheduled_tokens == 4
+    assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
+    # a step that drafted: nothing cut on the host
+    runner._draft_token_ids = drafts.clone()
+    out = scheduler_output()
+    assert _trimmed_update_states(original)(runner, out) == "done"
+    assert seen["spec"] == {r: k for r in req_ids} and out.total_num_scheduled_tokens == 4 * (1 + k)
+
+
+def test_symbols_the_device_cut_relies_on_keep_their_shape():
+    """``engine/length/cut.py``: the rejection sampler samples the bonus tokens once per step from
+    ``logits[metadata.bonus_logits_indices]`` with ``predict_bonus_token=True`` and hands the sampled ids
+    last to ``_get_logprobs_tensors``; the runner's ``_sample`` calls it with the metadata it is given;
+    the MoE runner routes inside ``_apply_quant_method(hidden_states, router_logits, ...)``; the runner
+    buffers and forward-context functions the plan reads exist."""
+    import dataclasses
+    import inspect
+    import re
+
+    from vllm import forward_context
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    forward = re.sub(r"\s+", "", inspect.getsource(RejectionSampler.forward))
+    assert "bonus_logits_indices=metadata.bonus_logits_indices" in forward
+    assert "bonus_logits=logits[bonus_logits_indices]" in forward
+    assert forward.count("self.sampler(") == 1 and "predict_bonus_token=True" in forward
+    assert "bonus_token_ids=bonus_sampler_output.sampled_token_ids" in forward
+    assert re.search(r"self\._get_logprobs_tensors\([^)]*output_token_ids,?\)", forward)
+    assert params(RejectionSampler._get_logprobs_tensors)[-1] == "sampled_token_ids"
+    assert {"bonus_logits_indices", "cu_num_draft_tokens"} <= {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
+    assert params(GPUModelRunner._sample) == ["self", "logits", "spec_decode_metadata"]
+    sample = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner._sample)))
+    assert "self.rejection_sampler(spec_decode_metadata," in sample
+    assert params(MoERunner._apply_quant_method)[:3] == ["self", "hidden_states", "router_logits"]
+    impl = inspect.getsource(MoERunner._forward_impl)
+    assert "self._apply_quant_method(" in impl and "router_logits=router_logits" in impl
+    init = inspect.getsource(GPUModelRunner.__init__)
+    for buffer in ("self.query_start_loc =", "self.num_decode_draft_tokens =", "self.max_num_tokens =",
+                   "self.rejection_sampler ="):
+        assert buffer in init, buffer
+    execute = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner.execute_model)))
+    assert execute.index("self.synchronize_input_prep()") < execute.index("self._prepare_inputs(")
+    assert callable(forward_context.get_forward_context) and callable(forward_context.is_forward_context_available)
+    assert "no_compile_layers" in {f.name for f in dataclasses.fields(forward_context.ForwardContext)}
+
+
+def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():
+    """``engine/length/gate.py``: vLLM's dynamic speculative decoding reads the schedule at scheduler
+    construction into ``dynamic_sd_lookup`` indexed by the step's request count; ``VllmConfig`` switches
+    such engines to PIECEWISE in one method called from ``__post_init__``; the runner's drafting entry
+    takes the scheduler output first and the spec metadata seventh; a step without spec decoding keeps
+    the sampled tokens for the next step's inputs in bookkeeping when no round set them."""
+    import dataclasses
+    import inspect
+    import re
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.vllm import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def params(fn):
+        return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+    assert params(Scheduler.__init__)[:2] == ["self", "vllm_config"]
+    init = inspect.getsource(inspect.unwrap(Scheduler.__init__))
+    assert "self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(" in init
+    schedule = re.sub(r"\s+", "", inspect.getsource(Scheduler.schedule))
+    assert "num_spec_tokens_to_schedule=self.dynamic_sd_lookup[len(num_scheduled_tokens)]" in schedule
+    assert params(build_dynamic_sd_schedule_lookup) == [
+        "num_speculative_tokens_per_batch_size", "vllm_max_batch_size", "vllm_num_speculative_tokens"]
+    assert "num_speculative_tokens_per_batch_size" in {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert "num_spec_tokens_to_schedule" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "self._maybe_override_dynamic_sd_cudagraph_mode()" in inspect.getsource(VllmConfig.__post_init__)
+    assert params(GPUModelRunner.propose_draft_token_ids)[:8] == [
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata"]
+    bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "if self.input_batch.prev_sampled_token_ids is None:" in bookkeeping
+    assert "self.input_batch.prev_sampled_token_ids = sampled_token_ids" in bookkeeping
+    assert "instance_id" in {f.name for f in dataclasses.fields(VllmConfig)}
+
+
+def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
+    from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
+
+    t = torch.randint(0, 8, (5,), dtype=torch.int32)
+    assert broadcast_from_tp_rank0(t) is t
