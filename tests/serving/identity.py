@@ -195,7 +195,8 @@ def judge(ours: GreedyRun, plain: GreedyRun, label: str, *, tie: float, min_iden
     asked only where a divergence is no token tie, or a prompt's log-probabilities differ by ``tie`` or
     more, and only while the answer can still decide the verdict). ``reference(prompt, tokens)``: the
     target's float64 log-probabilities ``[len(tokens), vocab]`` after ``prompt + tokens[:j]`` for each
-    ``j`` (:func:`float64_reference`), asked where a prompt is noisy or diverges without a token tie."""
+    ``j`` (:func:`float64_reference`), asked where a prompt is noisy or diverges without a token tie,
+    and only while the answer can still decide the verdict."""
     failures: list[str] = []
     if ours.prompts != plain.prompts:
         failures.append("the two runs are not of the same prompts")
@@ -231,7 +232,7 @@ def judge(ours: GreedyRun, plain: GreedyRun, label: str, *, tie: float, min_iden
         divergences.append(parted)
     if identical < min_identical:
         failures.append(f"{identical}/{len(ours.tokens)} prompts identical, fewer than {min_identical}")
-    if reference is not None:  # cheap (a float64 forward of one sequence): before any router margin
+    if reference is not None and not failures:  # before any router margin, and only while it can decide
         for d in noisy + divergences:
             if d.kind is None:
                 _against_float64(d, ours, plain, reference, tie)

@@ -231,6 +231,9 @@ def test_noise_that_is_plain_decodings_own_error_is_excused_by_the_float64_refer
     assert v.noisy[0].reference_error[0] < TIE / 2 and 2.5 * TIE < v.noisy[0].reference_error[1] < 3.5 * TIE
     assert v.identical == PROMPTS - 1 and v.noise_at[0] != n
     assert asked == [(plain.prompts[n], plain.tokens[n])]
+    asked.clear()  # a verdict that fails anyway (too few identical) asks no float64 question
+    v = judge(ours, plain, "too few", tie=TIE, min_identical=PROMPTS, reference=reference_of(truth, asked))
+    assert not v.ok and asked == []
     for name, wrong in (("float64 is plain", plain), ("float64 beyond plain", shifted(plain, n, i, 3 * TIE))):
         v = judge(ours, plain, name, tie=TIE, min_identical=PROMPTS - 1, reference=reference_of(wrong))
         print(v)
