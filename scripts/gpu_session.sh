@@ -158,6 +158,7 @@ slice|full35)
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
   [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"  # FUSED_NORMS=0: torch's RMS norms
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"  # CANDIDATES=M: the candidate heads
+  [ "${FUSED_CONV:-0}" = 1 ] && DC="$DC \"gdn_fused_conv\": true,"  # FUSED_CONV=1: the one-launch spec-step conv
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
   run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
@@ -178,6 +179,7 @@ sliceprof)
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'
   [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"
+  [ "${FUSED_CONV:-0}" = 1 ] && DC="$DC \"gdn_fused_conv\": true,"
   run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
   [ "${PLAIN:-1}" = 1 ] && run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
@@ -190,6 +192,7 @@ ref32|ref32full|ref32dense)
   # ref32dense: the dense target. vLLM's own GDN path gave 9/24 and, with selection, 0/24 (h200-2026-12-02b).
   kind=hybrid; [ "$STAGE" = ref32dense ] && kind=dense
   GK='"gdn_kernel": true,'; [ "$STAGE" = ref32full ] && GK='"gdn_kernel": true, "full_graph_spec_steps": true,'
+  [ "${FUSED_CONV:-0}" = 1 ] && GK="$GK \"gdn_fused_conv\": true,"  # FUSED_CONV=1: the one-launch spec-step conv
   [ "$STAGE" = ref32dense ] && GK=''
   HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
   run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \

@@ -59,6 +59,10 @@ class HybridSpecOptions(BaseModel):
         default=True, description="with the one-slot GDN layer on a GPU, replay spec steps from vLLM's full CUDA "
         "graphs (exact on the H200 at max_num_seqs 8, docs/benchmarks/h200-2026-12-04b); false runs the engine "
         "piecewise")
+    gdn_fused_conv: bool = Field(
+        default=False, description="with the one-slot GDN layer on a GPU, commit each round's conv window and "
+        "convolve its tokens in one Triton launch per layer (kernels.gdn.conv.spec_conv); false: torch's ops "
+        "(the default until the kernel has passed its GPU check)")
 
     @model_validator(mode="after")
     def _consistent(self) -> HybridSpecOptions:

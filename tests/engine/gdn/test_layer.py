@@ -399,15 +399,17 @@ def write_committed(layer, req):
     pool_window(layer)[req.slot] = req.hist[-W:].float()
 
 
-def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4):
+def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4, fused_conv=False):
     """Serve random batches through the one-slot layer's rounds and ``PendingRounds``: requests that
     arrive (a prefill on vLLM's path), decode with 0..S-1 drafts (random acceptance ``m``), decode
     without drafts (one-token rounds, or vLLM's path next to a prefill chunk), sit a step out, take a
     drafting-off step, are preempted and resume, finish and hand their slot on. Every verified
     output is compared with the float64 recurrence from the request's committed state, and the pool
     with the committed state wherever vLLM's own path would read it. Returns the largest relative
-    error. ``corrupt``: a planted bug (``"m-1"``: rounds commit one token too few; ``"no-conv-shift"``:
-    the conv window is not shifted by the committed inputs)."""
+    error. ``fused_conv``: the kernel path's window commit and convolution in one launch
+    (``"gdn_fused_conv"``). ``corrupt``: a planted bug (``"m-1"``: rounds commit one token too few;
+    ``"no-conv-shift"``: the conv window is not shifted by the committed inputs; ``"fused-conv-m-1"``:
+    the one-launch conv shifts it by one input too few)."""
     import random
 
     import numpy as np
@@ -419,6 +421,7 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4):
     rnd, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     HK, HV, K, V, width, max_seqs, num_slots = 2, 4, 16, 16, 4, 6, 14
     layer = bare_layer(gen, HK, HV, K, V, width, num_slots, max_seqs, S, kernels)
+    layer.fused_conv = fused_conv
     conv_dim, W = 2 * HK * K + HV * V, width - 1
     rounds = PendingRounds(max_seqs, max_seqs, S, "cpu")
     rounds.groups = {0: [layer]}
@@ -432,6 +435,10 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4):
             (out != -1).sum(1, keepdim=True) > torch.arange(out.shape[1]) + 1, out, -1))
     if corrupt == "no-conv-shift":
         layer_module.commit_conv_windows = lambda *args: None
+    if corrupt == "fused-conv-m-1":
+        real_spec_conv = layer_module.spec_conv
+        layer_module.spec_conv = lambda conv, x, slab_, taps, bias, slots, slab, m, *rest, **kw: real_spec_conv(
+            conv, x, slab_, taps, bias, slots, slab, (m - 1).clamp(min=0), *rest, **kw)
     requests, free_slots, worst, preempted = {}, list(range(1, num_slots)), 0.0, {}
     errors = []
 
@@ -545,27 +552,31 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4):
             from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 
             layer_module.commit_conv_windows = commit_conv_windows
+        if corrupt == "fused-conv-m-1":
+            layer_module.spec_conv = real_spec_conv
     return max(errors), dict(rounds.stats)
 
 
-@pytest.mark.parametrize("kernels, steps", [(False, 60), (True, 14)])
-def test_lazy_commit_over_many_steps_equals_the_float64_recurrence(kernels, steps):
+@pytest.mark.parametrize("kernels, steps, fused_conv", [(False, 60, False), (True, 14, False), (True, 14, True)])
+def test_lazy_commit_over_many_steps_equals_the_float64_recurrence(kernels, steps, fused_conv):
     """CPU path (torch references) and kernel path (``gdn_commit_verify`` and ``gdn_commit`` in Triton's
-    interpreter): every round's outputs and every state vLLM's path reads equal the recurrence."""
+    interpreter; with ``fused_conv``, ``spec_conv`` too): every round's outputs and every state vLLM's
+    path reads equal the recurrence."""
     seed = int.from_bytes(os.urandom(4), "little") >> 1
-    err, stats = simulate(seed, kernels, steps)
+    err, stats = simulate(seed, kernels, steps, fused_conv=fused_conv)
     print(f"seed {seed}: worst relative error {err:.2e}, {stats}")
     assert err < 2e-5, (seed, err)
     if not kernels:  # the long run covers every kind of step
         assert stats["flushed_rounds"] > 0 and stats["one_token_rows"] > 0 and stats["rows_on_vllm_path"] > 0, stats
 
 
-@pytest.mark.parametrize("corrupt", ["m-1", "no-conv-shift"])
-def test_the_lazy_commit_check_catches_planted_bugs(corrupt):
+@pytest.mark.parametrize("kernels, corrupt", [(False, "m-1"), (False, "no-conv-shift"), (True, "fused-conv-m-1")])
+def test_the_lazy_commit_check_catches_planted_bugs(kernels, corrupt):
     """Negative controls: the same check fails, by orders of magnitude, when a round commits one token
-    too few or the conv window is not shifted by the committed inputs."""
+    too few, the conv window is not shifted by the committed inputs, or the one-launch conv
+    (``"gdn_fused_conv"``) shifts it by one input too few."""
     seed = int.from_bytes(os.urandom(4), "little") >> 1
-    err, _ = simulate(seed, False, 40, corrupt=corrupt)
+    err, _ = simulate(seed, kernels, 14 if kernels else 40, corrupt=corrupt, fused_conv=kernels)
     print(f"{corrupt}, seed {seed}: worst relative error {err:.2e}")
     assert err > 1e-2, (seed, err)
 

@@ -38,13 +38,16 @@ from vllm_hybridspec.engine.gdn.commit import commit_conv_windows
 from vllm_hybridspec.engine.gdn.enable import _on_cuda, gdn_kernel_enabled, needs_torch_prefill
 from vllm_hybridspec.engine.gdn.layout import StepLayout, step_layout
 from vllm_hybridspec.engine.gdn.pending import pending_rounds_of
+from vllm_hybridspec.engine.options import hybridspec_options
 from vllm_hybridspec.kernels.gdn import StatePointers, VerifyFactors, commit_verify_, gdn_commit_verify, gdn_gating
-from vllm_hybridspec.kernels.gdn.conv import spec_conv_index
+from vllm_hybridspec.kernels.gdn.conv import spec_conv, spec_conv_index
 
 
 class HSpecQwenGDN(QwenGatedDeltaNetAttention):
     """``QwenGatedDeltaNetAttention`` with one state slot per request when :func:`gdn_kernel_enabled`;
     otherwise exactly vLLM's layer."""
+
+    fused_conv = False  # the conv window commit and the convolution in one launch ("gdn_fused_conv", GPU)
 
     def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
                  reduce_results: bool = True) -> None:
@@ -52,6 +55,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                          reduce_results=reduce_results)
         self.one_slot = gdn_kernel_enabled(vllm_config)
         self.kernels = _on_cuda()  # the Triton kernels (a GPU); else the torch references and vLLM's CPU conv
+        options = hybridspec_options(vllm_config)
+        self.fused_conv = self.one_slot and self.kernels and options is not None and options.gdn_fused_conv
         if needs_torch_prefill(vllm_config.model_config.dtype, _on_cuda()):
             # vLLM's FLA chunk kernel refuses float32: prefill through the exact torch path instead
             from vllm_hybridspec.engine.cpu.ops import TorchChunkGatedDeltaRule
@@ -210,8 +215,11 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         record = graph_record(self, layout, mixed_qkv, core_attn_out) if graph_check_enabled() else None
         if record is not None:
             record.before(self, layout)
-        commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
-        conv_out = self._conv(layout, x)
+        if self.fused_conv:
+            conv_out = self._spec_conv(layout, x)
+        else:
+            commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
+            conv_out = self._conv(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         if self.kernels:
             out = gdn_commit_verify(q, k, v, g=a_s, beta=b_s, A_log=self.A_log, dt_bias=self.dt_bias,
@@ -249,6 +257,15 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         if idx is None:
             idx = layout.conv_index[W] = spec_conv_index(layout.cu, layout.n, x.shape[0], W)
         return self._conv_from_windows(layout.slots, idx, x)
+
+    def _spec_conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
+        """The rounds' window commit and convolution in one launch (``kernels.gdn.conv.spec_conv``, the
+        ``"gdn_fused_conv"`` option): the same float32 sums as :meth:`_conv_from_windows`."""
+        paths = vllm_cpu_gdn_paths()
+        taps, bias = self._conv_taps_fp32(paths.conv_weight(self))
+        return spec_conv(paths.conv_view(self), x, self.input_slab, taps, bias, layout.slots, layout.slab,
+                         layout.pending_m, layout.cu, self.slab_len, layout.max_len,
+                         silu=self.activation in ("silu", "swish"))
 
     def _conv_cpu(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
         """Per round with vLLM's own CPU convolution (``causal_conv1d_update_torch``), on a copy of the

@@ -12,7 +12,7 @@ small kernels per layer and step (index arithmetic, gathers, copies, a float32 r
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
 
-Not yet the layer's path: its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, an
+The layer's path only with ``"gdn_fused_conv": true`` (off by default): its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, an
 earlier version that walked a round's tokens one by one and stored the slab itself) found the windows
 or slabs of one of six shapes (16 requests of 2 tokens) different from the torch form's. The window
 shift is in place (column ``c`` takes column ``c + m``), and that version's barrier came after the
