@@ -30,10 +30,10 @@ first output), or the float64 reference shows that the difference is plain decod
 error: ours no farther from float64 than plain plus ``tie`` at every identical position (seeds
 1804613999 / 276928850 of the identity controls: at prompt 11, output 8, plain decoding is 3.7e-3
 nats off float64 however it is batched, 64 or 256 tokens a step or one sequence at a time, and the
-speculative runs 1.9e-3, so they differ from plain by 1.8e-3 while being closer to the truth). A
-planted bug moves our log-probabilities 0.03-2.6 nats off, far past plain's error. Such a prompt,
-excused or not, does not count as identical; if its tokens part later, that divergence is judged as
-any other.
+speculative runs 1.9e-3, so they differ from plain by 1.8e-3 while being closer to the truth; with
+the same seeds the noisy prompts of the planted commit m - 1, no-conv-shift and router-cut bugs were
+0.014-1.09 nats off float64, plain at most 4.7e-4 there). Such a prompt, excused or not, does not
+count as identical; if its tokens part later, that divergence is judged as any other.
 
 The bounds are measured, not guessed: :data:`TIES` holds 2.5x the largest |plain - speculative|
 log-probability difference found at identical positions (over both runs' top-2 tokens, ``noise``, which

@@ -5,10 +5,10 @@ slab (where the window's pending inputs were just read) is left to the caller, a
 after the launch, so that no memory the kernel reads is written by another thread of it.
 
 One program per round and block of channels computes every token of the round at once. As torch
-ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is about thirty
-small kernels per layer and step (index arithmetic, gathers, copies, a float32 reduction): on the
-35B-shape slice's nine GDN layers, 0.4-0.5 ms of a spec step's GPU time
-(``docs/benchmarks/h200-2026-12-04d``). Both compute the taps' products in float32 and add them in
+ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is dozens of small kernels
+per layer and step (index arithmetic, gathers, copies, a float32 reduction): on the 35B-shape slice's
+nine GDN layers, 0.25-0.31 ms of a 16-token-per-request spec step's GPU time
+(``docs/benchmarks/h200-2026-12-04e``). Both compute the taps' products in float32 and add them in
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
 
