@@ -260,7 +260,8 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
     def _spec_conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
         """The rounds' window commit and convolution in one launch (``kernels.gdn.conv.spec_conv``, the
-        ``"gdn_fused_conv"`` option): the same float32 sums as :meth:`_conv_from_windows`."""
+        ``"gdn_fused_conv"`` option): the taps' float32 products added in tap order, where
+        :meth:`_conv_from_windows` adds them with torch's reduction (equal to rounding)."""
         paths = vllm_cpu_gdn_paths()
         taps, bias = self._conv_taps_fp32(paths.conv_weight(self))
         return spec_conv(paths.conv_view(self), x, self.input_slab, taps, bias, layout.slots, layout.slab,
