@@ -30,7 +30,7 @@
 #   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
 #   bash scripts/gpu_session.sh ref32dense # the same on the reference dense target
 #   bash scripts/gpu_session.sh refbs1   # reference hybrid, bf16, default graphs, batch 1: H-Spec one-slot
-#                                        # against H-Spec on vLLM's GDN path (step times at w = 8)
+#                                        # against H-Spec on vLLM's GDN path (step times at w = 8) and plain decoding
 #   bash scripts/gpu_session.sh full35   # the 40-layer 35B shape: ours at w = 1..16, plain, vLLM K = 15
 #
 # Each stage writes $OUT/<stage>.tar (JSON results, logs) and stops its engines before DEADLINE seconds.
@@ -159,12 +159,16 @@ slice|full35)
   [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"  # FUSED_NORMS=0: torch's RMS norms
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"  # CANDIDATES=M: the candidate heads
   [ "${FUSED_CONV:-0}" = 1 ] && DC="$DC \"gdn_fused_conv\": true,"  # FUSED_CONV=1: the one-launch spec-step conv
+  [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"  # GROUPED=1: the drafter's attention as matmuls
   # the one-slot layer's spec steps in full graphs (selected lengths cut on the device), then plain and vLLM's own path
-  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 1,2,4,8,16 --untrimmed \
+  # DRAFTS: every row with the drafter's own tokens (model) and with distinct ids at every position (spread: a
+  # dummy-weight drafter drafts one id, whose 16 copies reach one token's experts)
+  D=(--drafts "${DRAFTS:-model,spread}")
+  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" --lengths 1,2,4,8,16 --untrimmed \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --out "$R/ours_full.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
-  run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 16 \
+  run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" --lengths 16 \
     --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm15.json"
   ;;
 sliceprof)
@@ -180,6 +184,7 @@ sliceprof)
   [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"
   [ "${FUSED_CONV:-0}" = 1 ] && DC="$DC \"gdn_fused_conv\": true,"
+  [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
   run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
   [ "${PLAIN:-1}" = 1 ] && run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
@@ -206,11 +211,14 @@ refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
   S=(--model models/hybrid --prompts models/prompts/heldout.jsonl --num-prompts 16 --dtype bfloat16 --gpu-mem 0.2
      --max-num-seqs 4 --engine-args "$ENG" --batch-sizes 1 --steps 64 --warmup 8 --lengths 1,8)
+  DC=''; [ "${FUSED_CONV:-0}" = 1 ] && DC='"gdn_fused_conv": true,'
+  [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
   run one_slot python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" \
-    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": true}}" --out "$R/one_slot.json"
+    --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true}}" --out "$R/one_slot.json"
   # vLLM's own GDN path verifies every draft (a shorter length is refused: engine/gdn/enable.py)
   run vllm_gdn python3 -m vllm_hybridspec.cli spec-steps "${S[@]/1,8/8}" \
     --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm_gdn.json"
+  run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -202,7 +202,7 @@ def test_missing_or_damaged_weights_are_fine_with_dummy_weights(target, drafter)
         ({"fixed_length": "8"}, "fixed_length: Input should be a valid integer (got '8')"),
         ({"fixed_length": 2.0}, "fixed_length: Input should be a valid integer (got 2.0)"),
         ({"gdn_kernal": False}, ("gdn_kernal: unknown key (did you mean 'gdn_kernel'?), valid keys are policy, select, batched, gate, "
-                                 "gdn_kernel, capture, fixed_length, drafter_cudagraphs, drafter_compile, drafter_fused_norms, drafter_candidate_heads, "
+                                 "gdn_kernel, capture, fixed_length, drafter_cudagraphs, drafter_compile, drafter_fused_norms, drafter_grouped_attention, drafter_candidate_heads, "
                                  "full_graph_lengths, tp_broadcast, full_graph_spec_steps, gdn_fused_conv (got False)")),
     ],
 )

@@ -111,6 +111,7 @@ def test_capture_paths_that_cannot_be_written_are_refused_at_config_time(tmp_pat
     ({"drafter_cudagraphs": None}, "drafter_cudagraphs: Input should be a valid boolean (got None)"),
     ({"drafter_compile": "yes"}, "drafter_compile: Input should be a valid boolean (got 'yes')"),
     ({"drafter_fused_norms": 1}, "drafter_fused_norms: Input should be a valid boolean (got 1)"),
+    ({"drafter_grouped_attention": "on"}, "drafter_grouped_attention: Input should be a valid boolean (got 'on')"),
     ({"drafter_candidate_heads": -1}, "drafter_candidate_heads: Input should be greater than or equal to 0 (got -1)"),
     ({"full_graph_spec_steps": "no"}, "full_graph_spec_steps: Input should be a valid boolean (got 'no')"),
     ({"gdn_fused_conv": "yes"}, "gdn_fused_conv: Input should be a valid boolean (got 'yes')"),

@@ -56,11 +56,20 @@ def test_spec_steps_times_each_step_and_counts_the_drafting_rounds(tmp_path):
     out = tmp_path / "steps.json"
     proc = run_child(["spec-steps", *ENGINE, "--max-num-seqs", "2", "--prompts", str(MODELS / "prompts" / "heldout.jsonl"),
                       "--num-prompts", "2", "--speculative-config", json.dumps(spec), "--lengths", "1,4",
-                      "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--untrimmed", "--out", str(out)])
+                      "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--untrimmed", "--drafts", "model,spread",
+                      "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    all_rows = json.loads(out.read_text())["rows"]
+    every_row = json.loads(out.read_text())["rows"]
+    assert [r["drafts"] for r in every_row] == ["model"] * 3 + ["spread"] * 3
+    all_rows = [r for r in every_row if r["drafts"] == "model"]
     rows = {r["w"]: r for r in all_rows if r.get("trimmed", True)}
     assert sorted(rows) == [1, 4]
+    # --drafts spread: the same rows with distinct ids drafted, which the greedy target rejects (8,192-token
+    # vocabulary): one token per request and step, where the drafter's own drafts are accepted at times
+    spread = {(r["w"], r.get("trimmed", True)): r for r in every_row if r["drafts"] == "spread"}
+    assert sorted(spread) == [(1, True), (4, True), (8, False)]
+    assert spread[(4, True)]["drafter_rounds"]["eager"] == 5 and spread[(4, True)]["tokens_per_step"] <= 2.1
+    assert spread[(8, False)]["tokens_per_step"] <= 2.1 < rows[4]["tokens_per_step"]
     # --untrimmed: w = K + 1 = 8 with the selector off, drafting every step and verifying every draft
     (untrimmed,) = [r for r in all_rows if r.get("trimmed") is False]
     assert untrimmed["w"] == 8 and untrimmed["drafter_rounds"]["eager"] == 5 and 2 <= untrimmed["tokens_per_step"] <= 16

@@ -62,7 +62,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated, x_pass), dim=-1)
 
 
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` as two batched
+    matmuls with each KV head's query heads stacked (``[B, kv_heads, group * Lq, D]``), the scores and
+    the softmax in float32. For a block of a few queries over a short prefix this is four small
+    kernels where the fused SDPA kernels tile for long sequences (cuDNN's took 41 us per layer for 16
+    queries over 528 keys at the 35B shape, ``docs/benchmarks/h200-2026-12-04d``).
+
+    ``q`` ``[B, heads, Lq, D]``, ``keys`` / ``values`` ``[B, kv_heads, S, D]``, ``mask`` ``[B, 1, Lq, S]``
+    bool (every query sees at least one key) -> ``[B, heads, Lq, D]`` in ``q``'s dtype."""
+    B, H, Lq, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * Lq, D)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).view(B, Hkv, G, Lq, S).float() * (D ** -0.5)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask [B, 1, 1, Lq, S]
+    probs = scores.softmax(-1).to(values.dtype).view(B, Hkv, G * Lq, S)
+    return torch.matmul(probs, values).view(B, H, Lq, D)
+
+
 class TargetKVAttention(nn.Module):
+    grouped = False  # True: grouped_attention in place of F.scaled_dot_product_attention (use_grouped_attention)
+
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float
     ):
@@ -104,9 +125,10 @@ class TargetKVAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys = torch.cat([prefix_k.to(k.dtype), k], dim=2)  # [B, kv_heads, T + Lq, head_dim]
         values = torch.cat([prefix_v.to(v.dtype), v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=True
-        )  # [B, heads, Lq, D]
+        if self.grouped:
+            out = grouped_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [B, heads, Lq, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, Lq, self.num_heads * self.head_dim))
 
 
@@ -155,3 +177,14 @@ def anchored_block_mask(
     q_block = torch.arange(N * L, device=device)
     block = (q_block[:, None] // L == q_block[None, :] // L) & (q_block[None, :] <= q_block[:, None])
     return torch.cat([prefix, block], dim=-1)[None, None]
+
+
+def use_grouped_attention(model: nn.Module, on: bool = True) -> int:
+    """Every :class:`TargetKVAttention` of ``model`` through :func:`grouped_attention` (``on``) or SDPA;
+    returns how many modules were set."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, TargetKVAttention):
+            module.grouped = on
+            n += 1
+    return n

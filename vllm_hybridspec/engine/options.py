@@ -47,6 +47,9 @@ class HybridSpecOptions(BaseModel):
                                   "torch.compile (fewer, fused kernels; the first round compiles them)")
     drafter_fused_norms: bool = Field(default=True, description="run the H-Spec drafter's RMS norms as one "
                                       "Triton kernel each (GPU; drafter.fused.fuse_norms); false: torch's ops")
+    drafter_grouped_attention: bool = Field(
+        default=False, description="run the H-Spec drafter's attention as two batched matmuls per layer, query "
+        "heads grouped by KV head (GPU; drafter.attention.grouped_attention); false: torch's SDPA")
     drafter_candidate_heads: int = Field(default=0, ge=0, description="run the H-Spec drafter's Markov heads "
                                          "through this many candidate previous tokens per position (one pass "
                                          "over W2; kernels.markov.markov_heads(candidates=M)); 0: per position")

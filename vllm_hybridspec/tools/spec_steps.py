@@ -103,10 +103,16 @@ def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, ta
     return row
 
 
+DRAFT_KINDS = ("model", "spread")
+
+
 def measure(engine: EngineOptions, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
-            prompts: list[dict], steps: int, warmup: int, progress=print, untrimmed: bool = False) -> dict:
+            prompts: list[dict], steps: int, warmup: int, progress=print, untrimmed: bool = False,
+            drafts: tuple[str, ...] = ("model",)) -> dict:
     """Every (B, w) on one engine; ``speculative_config`` None: plain decoding (``lengths`` ignored).
-    ``untrimmed``: per B also ``w = K + 1`` with the selector off (rows with ``"trimmed": false``)."""
+    ``untrimmed``: per B also ``w = K + 1`` with the selector off (rows with ``"trimmed": false``).
+    ``drafts``: the rows once per kind, ``"model"`` the drafter's own tokens, ``"spread"`` distinct ids
+    at every position (``engine.drafting.proposer.spread_drafts``; each row says ``"drafts"``)."""
     from vllm import LLM
 
     from vllm_hybridspec.engine.compat import in_process_runner, kv_capacity_tokens
@@ -130,11 +136,16 @@ def measure(engine: EngineOptions, speculative_config: dict | None, lengths: lis
     selector = selector_of(runner) if spec is not None else None
     if spec is not None and selector is None:
         raise RuntimeError("the engine's drafter has no hybridspec length selector")
-    runs = [(None, True)]  # (w, trimmed); plain decoding: one row per B
+    runs = [(None, True, None)]  # (w, trimmed, drafts); plain decoding: one row per B
     if spec is not None:
-        runs = [(w, True) for w in lengths] + ([(k + 1, False)] if untrimmed else [])
+        if "spread" in drafts and not hasattr(runner.drafter, "spread_drafts"):
+            raise RuntimeError("--drafts spread: the engine's drafter is not H-Spec's proposer")
+        runs = [(w, trimmed, d) for d in drafts
+                for w, trimmed in [(w, True) for w in lengths] + ([(k + 1, False)] if untrimmed else [])]
     for b in batch_sizes:
-        for w, trimmed in runs:
+        for w, trimmed, kind in runs:
+            if kind is not None and hasattr(runner.drafter, "spread_drafts"):
+                runner.drafter.spread_drafts = kind == "spread"
             if selector is not None:
                 if w == 1:
                     selector.configure(drafting=False)
@@ -142,16 +153,32 @@ def measure(engine: EngineOptions, speculative_config: dict | None, lengths: lis
                     selector.configure(trim=False)
                 else:
                     selector.configure(fixed_length=w)
-            tag = f"b{b}-w{w}" if trimmed else f"b{b}-all"
-            row = {"w": w, **({} if trimmed else {"trimmed": False}),
+            tag = (f"b{b}-w{w}" if trimmed else f"b{b}-all") + ("" if kind in (None, "model") else f"-{kind}")
+            row = {"w": w, **({} if trimmed else {"trimmed": False}), **({} if kind is None else {"drafts": kind}),
                    **time_steps(llm, prompts, b, steps, warmup, tag, runner)}
             result["rows"].append(row)
             extra = f", drafter rounds {row['drafter_rounds']}" if "drafter_rounds" in row else ""
-            progress(f"B={b} w={w}{'' if trimmed else ' (untrimmed)'}: {row['ms']:.3f} ms/step (median {row['median_ms']:.3f}, max {row['max_ms']:.3f}), "
+            label = ("" if trimmed else " (untrimmed)") + ("" if kind in (None, "model") else f" ({kind} drafts)")
+            progress(f"B={b} w={w}{label}: {row['ms']:.3f} ms/step (median {row['median_ms']:.3f}, max {row['max_ms']:.3f}), "
                      f"{row['tokens_per_step']:.2f} tokens/step, modes {row['graph_modes']}{extra}")
     if selector is not None:
         selector.configure()
+    if spec is not None and hasattr(runner.drafter, "spread_drafts"):
+        runner.drafter.spread_drafts = False
     return result
+
+
+def draft_kinds(drafts: str, spec: dict | None) -> tuple[str, ...]:
+    """``--drafts`` as a tuple of :data:`DRAFT_KINDS`; ``typer.BadParameter`` naming the value otherwise,
+    and for ``spread`` without an H-Spec drafter (``"method": "hspec"``)."""
+    kinds = tuple(d.strip() for d in drafts.split(","))
+    bad = [d for d in kinds if d not in DRAFT_KINDS]
+    if bad or len(set(kinds)) != len(kinds):
+        raise typer.BadParameter(f"--drafts {drafts!r}: comma-separated, each once, from {', '.join(DRAFT_KINDS)}")
+    if "spread" in kinds and (spec is None or spec.get("method") != "hspec"):
+        raise typer.BadParameter("--drafts spread needs an H-Spec drafter (--speculative-config with "
+                                 "\"method\": \"hspec\")")
+    return kinds
 
 
 def spec_steps(
@@ -165,14 +192,19 @@ def spec_steps(
     warmup: int = typer.Option(8, min=2, help="untimed steps first (prefill, compilation)"),
     untrimmed: bool = typer.Option(False, help="also w = K + 1 with the length selector off (every draft scheduled "
                                    "by vLLM, no host read of the lengths), per batch size"),
+    drafts: str = typer.Option("model", help="comma-separated draft kinds, every row once per kind: model (the "
+                               "drafter's tokens) or spread (distinct ids at every position, so that a step's "
+                               "tokens route as distinct tokens do; with dummy weights a drafter drafts one id)"),
     out: Path = typer.Option(..., help="result JSON"),
 ) -> None:
     """Per-step decode time and CUDA-graph mode at each verification length and batch size, one engine."""
     spec = json_object(speculative_config, "speculative-config") if speculative_config else None
     ws, bs = int_list(lengths, "lengths"), int_list(batch_sizes, "batch-sizes")
+    kinds = draft_kinds(drafts, spec)
     output_path(out, "--out")  # before the engine starts; missing directories are made at the end
     result = measure(engine, spec, ws, bs, prompts.load(engine.model), steps, warmup,
-                     progress=lambda line: typer.echo(line), untrimmed=untrimmed)
+                     progress=lambda line: typer.echo(line), untrimmed=untrimmed,
+                     drafts=kinds)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(result, indent=1))
     typer.echo(f"wrote {out}")

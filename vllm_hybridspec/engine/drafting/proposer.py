@@ -129,12 +129,28 @@ class RunnerDFlashProposer(DFlashProposer):
         return drafts
 
 
+def spread_drafts(block: DraftBlock, anchors: torch.Tensor, vocab_size: int) -> DraftBlock:
+    """Benchmarks only (``hybridspec spec-steps --drafts spread``): the round's draft tokens replaced by
+    ids that differ at every position of a row, and between rows of one anchor (a hash of the anchor,
+    the position and the row), the signals kept. With dummy weights the drafter drafts one id at every position, so a verification
+    step's tokens all take one token's experts; distinct ids route as distinct tokens do, and the
+    step reads the experts that ``w`` tokens of text would reach (at most: random ids are less alike
+    than text). A greedy target rejects them, as it rejects a dummy drafter's."""
+    N, K = block.tokens.shape
+    device = block.tokens.device
+    offsets = (torch.arange(1, K + 1, device=device) * 104729)[None, :] + (
+        torch.arange(N, device=device) * 15485863)[:, None]  # [N, K]
+    tokens = (anchors.long()[:, None] * 7919 + offsets) % vocab_size
+    return DraftBlock(tokens, block.top1_prob, block.entropy)
+
+
 class HSpecProposer(RunnerDFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.last_draft: DraftBlock | None = None  # [num_reqs, K] tokens, top1_prob, entropy
         self.draft_graphs: DraftGraphs | None = None  # set by load_model on a GPU
         self.eager_rounds = 0  # rounds drafted without a replayed graph (all of them without graphs)
+        self.spread_drafts = False  # benchmarks only (spec-steps --drafts spread): see spread_drafts()
 
     # --- loading ---------------------------------------------------------------------------------------
 
@@ -154,6 +170,10 @@ class HSpecProposer(RunnerDFlashProposer):
             from vllm_hybridspec.drafter.fused import fuse_norms
 
             fuse_norms(self.model)
+        if options is not None and options.drafter_grouped_attention and self.device.type == "cuda":
+            from vllm_hybridspec.drafter.attention import use_grouped_attention
+
+            use_grouped_attention(self.model)
         if options is not None:
             self.model.candidate_heads = options.drafter_candidate_heads
         self.draft_graphs = None
@@ -214,6 +234,8 @@ class HSpecProposer(RunnerDFlashProposer):
             prefix_kv = self.model.gather_prefix_kv(cad.block_table_tensor[:N], cad.max_seq_len, prefix_lens)
             block = self.model.draft(last_hidden, next_token_ids[:N], prefix_kv, prefix_lens, num_speculative_tokens)
         block = self._draft_block(block, next_token_ids[:N], prefix_lens)
+        if self.spread_drafts:
+            block = spread_drafts(block, next_token_ids[:N], self.vllm_config.model_config.get_vocab_size())
         self.last_draft = block
         w_rem = None  # [N], computed once for the capture and the selector
         if self.round_capture is not None or (selector is not None and selector.trims):

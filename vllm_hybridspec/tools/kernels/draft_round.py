@@ -20,6 +20,9 @@ them from the target's paged cache, a read of the same size). For each batch siz
 * ``layers_fused_norms`` / ``round_fused_norms``: the layers with every RMS norm as one kernel
   (``drafter.fused.fuse_norms``; what ``"drafter_fused_norms": true`` runs in the engine), alone and
   with the LM head and the fused heads;
+* ``layers_grouped`` / ``round_grouped``: the fused-norm layers with the attention as grouped matmuls
+  (``drafter.attention.grouped_attention``; ``"drafter_grouped_attention": true``), alone and with the
+  LM head and the fused heads;
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
   head and the fused heads; ``round_compiled_candidates``: with the candidate heads instead;
@@ -150,6 +153,18 @@ class Round:
         finally:
             unfuse_norms(self.model)
 
+    def layers_grouped(self):
+        from vllm_hybridspec.drafter.attention import use_grouped_attention
+        from vllm_hybridspec.drafter.fused import fuse_norms, unfuse_norms
+
+        fuse_norms(self.model)
+        use_grouped_attention(self.model)
+        try:
+            self.layers()
+        finally:
+            use_grouped_attention(self.model, False)
+            unfuse_norms(self.model)
+
     def layers_compiled(self):
         m = self.model
         with torch_ssd(m):
@@ -194,6 +209,11 @@ class Round:
         self.lm_head()
         return self.heads_fused()
 
+    def round_grouped(self):
+        self.layers_grouped()
+        self.lm_head()
+        return self.heads_fused()
+
     def round_candidates(self):
         self.layers()
         self.lm_head()
@@ -215,12 +235,13 @@ def compile_block_forward(model) -> None:
 
 
 def check_compiled(r: Round, tol: float = 2e-2) -> list[str]:
-    """The compiled layers' and the fused-norm layers' hidden states against the eager layers'
+    """The compiled layers', the fused-norm layers' and the grouped-attention layers' hidden states
+    against the eager layers'
     (relative Frobenius error)."""
     r.layers()
     eager = r.hidden.float()
     problems = []
-    for name in ("layers_compiled", "layers_fused_norms"):
+    for name in ("layers_compiled", "layers_fused_norms", "layers_grouped"):
         getattr(r, name)()
         err = float((r.hidden.float() - eager).norm() / eager.norm().clamp(min=1e-30))
         if err > tol:
@@ -332,16 +353,16 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
                 r.launch, part = tune_heads(r, samples, replays)
                 tune_rows += part
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
-            for part in ("layers", "layers_fused_norms", "layers_compiled", "lm_head", "heads_torch", "heads_fused",
-                         "heads_candidates", "round_torch", "round_fused", "round_fused_norms", "round_candidates",
-                         "round_compiled", "round_compiled_candidates"):
+            for part in ("layers", "layers_fused_norms", "layers_grouped", "layers_compiled", "lm_head", "heads_torch",
+                         "heads_fused", "heads_candidates", "round_torch", "round_fused", "round_fused_norms",
+                         "round_grouped", "round_candidates", "round_compiled", "round_compiled_candidates"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
             row["resolved"] = r.resolved()  # of the last replay of round_compiled_candidates
             row["scaled"] = scaled_markov(r, markov_scales, lambda fn: graph_ms(fn, samples, replays).ms)
             nbytes = round_bytes(model, B, capacity)
             row["bytes"] = nbytes
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
-            row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"],
+            row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"], row["round_grouped_ms"],
                                           row["round_candidates_ms"], row["round_compiled_ms"],
                                           row["round_compiled_candidates_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
@@ -352,6 +373,7 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
                     f"(compiled layers, candidates) {x['round_compiled_candidates_ms']:.3f} ms, resolved {x['resolved']:.3f}")
             if B in (1, 4):
                 for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
+                                ("kernels_grouped", r.round_grouped),
                                 ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates)):
                     row[key] = kernel_table(fn)
                     log(f"  {key} (B={B}):")
@@ -385,15 +407,17 @@ def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], fl
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| B | layers | layers (fused norms) | layers (compiled) | LM head | heads (torch) | heads (fused) | "
-            "heads (candidates) | resolved | round (torch) | round (fused) | round (fused norms) | "
-            "round (candidates) | round (compiled layers) | floor | best / floor |")
-    lines = [head, "|" + "---|" * 16]
+    head = ("| B | layers | layers (fused norms) | layers (grouped attention) | layers (compiled) | LM head | "
+            "heads (torch) | heads (fused) | heads (candidates) | resolved | round (torch) | round (fused) | "
+            "round (fused norms) | round (grouped attention) | round (candidates) | round (compiled layers) | floor | "
+            "best / floor |")
+    lines = [head, "|" + "---|" * 18]
     for r in rows:
         lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_fused_norms_ms']:.3f} | "
-                     f"{r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
+                     f"{r['layers_grouped_ms']:.3f} | {r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
                      f"{r['heads_fused_ms']:.3f} | {r['heads_candidates_ms']:.3f} | {r['resolved']:.3f} | "
                      f"{r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | {r['round_fused_norms_ms']:.3f} | "
+                     f"{r['round_grouped_ms']:.3f} | "
                      f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{r['round_over_floor']:.2f} |")
     return "\n".join(lines)
