@@ -29,6 +29,8 @@
 #                                        # of H-Spec (every draft; selected lengths) with plain, 24 x 128
 #   bash scripts/gpu_session.sh ref32full  # the same with the layer's spec steps in full graphs
 #   bash scripts/gpu_session.sh ref32dense # the same on the reference dense target
+#   bash scripts/gpu_session.sh refprof  # reference hybrid, bf16, batch 1, async: torch.profiler and cProfile of ours
+#                                        # (w = 1, 8), plain decoding and vLLM's GDN path (host.txt per engine)
 #   bash scripts/gpu_session.sh refbs1   # reference hybrid, bf16, default graphs, batch 1: H-Spec one-slot
 #                                        # against H-Spec on vLLM's GDN path (step times at w = 8) and plain decoding
 #   bash scripts/gpu_session.sh full35   # the 40-layer 35B shape: ours at w = 1..16, plain, vLLM K = 15
@@ -185,9 +187,9 @@ sliceprof)
   [ "${CANDIDATES:-0}" != 0 ] && DC="$DC \"drafter_candidate_heads\": ${CANDIDATES},"
   [ "${FUSED_CONV:-0}" = 1 ] && DC="$DC \"gdn_fused_conv\": true,"
   [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
-  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --cprofile --lengths "${LENGTHS:-1,16}" --out "$R/ours" \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true, \"fixed_length\": 16}}"
-  [ "${PLAIN:-1}" = 1 ] && run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
+  [ "${PLAIN:-1}" = 1 ] && run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --cprofile --out "$R/plain"
   for f in "$R"/*/trace.json "$R"/*/*/trace.json; do [ -f "$f" ] && gzip -f "$f"; done
   for f in "$R"/ours/w*/ops.txt "$R"/plain/ops.txt; do [ -f "$f" ] && { echo "== $f"; sed -n '/Self CUDA/,+30p' "$f" | head -34 | cut -c1-200; }; done
   ;;
@@ -206,6 +208,23 @@ ref32|ref32full|ref32dense)
     --config plain=none --config hspec_all="{$HH, \"hybridspec\": {$GK \"fixed_length\": 8}}" \
     --config hspec_sel="{$HH, \"hybridspec\": {$GK \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
     --out "$R/identity-$kind.json"
+  ;;
+refprof)
+  # where the reference hybrid's step time goes at batch 1 (bf16, async scheduling, default graphs): torch.profiler
+  # and then cProfile (host.txt: Python functions by wall ms per step) of ours at w = 1 (drafting off) and 8,
+  # vLLM's own GDN path (every draft) and plain decoding
+  HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
+  P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 128 --batch 1 --warmup 8 --steps 12
+     --async-scheduling --cprofile --gpu-mem 0.2 --engine-args "$ENG")
+  DC=''; [ "${FUSED_CONV:-0}" = 1 ] && DC='"gdn_fused_conv": true,'
+  [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,8 --out "$R/ours" \
+    --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true, \"fixed_length\": 8}}"
+  run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
+  run prof_vllm python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/vllm" \
+    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}"
+  for f in "$R"/ours/w*/host.txt "$R"/plain/host.txt "$R"/vllm/host.txt; do
+    [ -f "$f" ] && { echo "== $f"; head -45 "$f" | cut -c1-160; }; done
   ;;
 refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

@@ -36,9 +36,19 @@ def run_child(args: list[str]) -> subprocess.CompletedProcess:
 def test_profile_summarises_each_verification_length(tmp_path):
     spec = {**SPEC, "hybridspec": {"fixed_length": 8}}
     proc = run_child(["profile", *ENGINE, "--enforce-eager", "--speculative-config", json.dumps(spec),
-                      "--lengths", "1,4", "--batch", "2", "--warmup", "3", "--steps", "3", "--out", str(tmp_path)])
+                      "--lengths", "1,4", "--batch", "2", "--warmup", "3", "--steps", "3", "--cprofile", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-4000:]
     summaries = {w: json.loads((tmp_path / f"w{w}" / "summary.json").read_text()) for w in (1, 4)}
+    # --cprofile: the plugin's and vLLM's functions by cumulative wall ms per step; only w = 4 drafts
+    for w, s in summaries.items():
+        host = s["host_functions"]
+        assert host["wall_ms_per_step"] > 0 and host["vllm"] and host["plugin"]
+        assert all(r["cum_ms"] >= r["self_ms"] >= 0 and r["calls"] > 0 for r in host["plugin"] + host["vllm"])
+        assert any("LLMEngine.step" in r["where"] or "llm_engine.py" in r["where"] for r in host["vllm"])
+        drafted = [r for r in host["plugin"] if r["where"].startswith("vllm_hybridspec/engine/drafting/model.py")
+                   and r["where"].endswith("(draft)")]
+        assert (len(drafted) == 1 and drafted[0]["calls"] == 1.0) if w == 4 else not drafted
+        assert (tmp_path / f"w{w}" / "host.txt").read_text().startswith("wall ")
     for w, s in summaries.items():
         assert s["verified_length"] == w and s["batch"] == 2 and len(s["step_ms"]) == 3
         assert all(t > 0 for t in s["step_ms"]) and s["mean_step_ms"] > 0

@@ -11,7 +11,8 @@ summarised by operator.
 Writes, per profiled length ``w`` (under ``<out>/w<w>/`` with ``--lengths``, else ``<out>/``),
 ``ops.txt`` (operators by self time, CPU and CUDA), ``summary.json`` (step times, GPU busy time,
 kernel launches and aten operators per step, the host time of the top operators, the runner's named
-phases) and, with ``--trace``, a Chrome trace. Without ``--speculative-config`` it profiles plain
+phases), with ``--trace`` a Chrome trace, and with ``--cprofile`` ``host.txt`` (as many steps again under
+cProfile: the Python functions by cumulative wall time per step). Without ``--speculative-config`` it profiles plain
 decoding, for the side-by-side. Async scheduling is off by default, so that a step's host and device
 work are the step's own; ``--async-scheduling`` profiles the engine as it serves, host preparation
 overlapping the device's previous step (no sync between steps; ``step_ms`` is then the mean over the
@@ -88,7 +89,44 @@ def graph_split(events: list[dict], steps: int, top: int = 15) -> dict:
     return out
 
 
-def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None, sync: bool = True) -> dict:
+def host_functions(engine, steps: int, path: Path, top: int = 40) -> dict:
+    """``steps`` more steps under cProfile (wall clock, so a function that waits for the device counts
+    the wait), without torch.profiler; writes ``path`` (per step: the plugin's and vLLM's functions by
+    cumulative ms, then every function by self ms) and returns the wall ms per step of the profiled
+    steps and the top ``top`` plugin and vLLM functions by cumulative ms per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile(time.perf_counter)
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    rows = []
+    for (file, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
+        where = file.split("site-packages/")[-1]
+        where = where[where.index("vllm_hybridspec/"):] if "vllm_hybridspec/" in where else where
+        rows.append({"where": f"{where}:{line}({name})", "calls": round(nc / steps, 2),
+                     "self_ms": round(tt * 1e3 / steps, 3), "cum_ms": round(ct * 1e3 / steps, 3)})
+    rows.sort(key=lambda r: -r["cum_ms"])
+    ours = [r for r in rows if r["where"].startswith("vllm_hybridspec/")]
+    vllm = [r for r in rows if r["where"].startswith("vllm/")]
+    with path.open("w") as f:
+        f.write(f"wall {wall_ms:.3f} ms per step under cProfile, {steps} steps\n\n")
+        for title, table, limit in (("vllm_hybridspec (cumulative ms per step)", ours, 100),
+                                    ("vllm (cumulative ms per step)", vllm, 100),
+                                    ("all, by self time", sorted(rows, key=lambda r: -r["self_ms"]), 80)):
+            f.write(f"## {title}\n{'cum_ms':>8} {'self_ms':>8} {'calls':>7}  where\n")
+            for r in table[:limit]:
+                f.write(f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls']:7.2f}  {r['where']}\n")
+            f.write("\n")
+    return {"wall_ms_per_step": round(wall_ms, 3), "plugin": ours[:top], "vllm": vllm[:top]}
+
+
+def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None, sync: bool = True,
+                  cprofile: bool = False) -> dict:
     """``warmup`` untimed steps, then ``steps`` profiled ones; writes ``ops.txt``, ``summary.json``
     (and ``trace.json``) under ``out`` and returns the summary (with ``runner``, the drafter's rounds
     of the profiled steps: graph replays, captures, eager rounds). ``sync=False`` (async scheduling):
@@ -130,6 +168,8 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runne
     if trace:
         prof.export_chrome_trace(str(out / "trace.json"))
         summary["gpu_split"] = graph_split(json.loads((out / "trace.json").read_text())["traceEvents"], steps)
+    if cprofile:
+        summary["host_functions"] = host_functions(engine, steps, out / "host.txt")
     return summary
 
 
@@ -145,6 +185,9 @@ def profile_command(
     warmup: int = typer.Option(8, min=1, help="untimed steps before each profile"),
     steps: int = typer.Option(6, min=1, help="profiled steps"),
     trace: bool = typer.Option(False, help="also write a Chrome trace (large)"),
+    cprofile: bool = typer.Option(False, help="then as many steps again under cProfile, without torch.profiler: "
+                                  "host.txt and summary.json's host_functions (the plugin's and vLLM's functions "
+                                  "by cumulative wall ms per step)"),
     async_scheduling: bool = typer.Option(False, "--async-scheduling", help="profile with async scheduling on, as "
                                           "the engine serves (no sync between steps)"),
     out: Path = typer.Option(..., help="result directory"),
@@ -183,7 +226,7 @@ def profile_command(
         elif selector is not None:
             selector.configure(fixed_length=w)
         summary = profile_steps(llm.llm_engine, steps, warmup, out / f"w{w}" if w is not None else out, trace,
-                                in_process_runner(llm), sync=not async_scheduling)
+                                in_process_runner(llm), sync=not async_scheduling, cprofile=cprofile)
         summary.update(speculative_config=spec, verified_length=w, batch=batch, engine_start_s=start_s,
                        async_scheduling=async_scheduling)
         ((out / f"w{w}") if w is not None else out).joinpath("summary.json").write_text(json.dumps(summary, indent=1))
