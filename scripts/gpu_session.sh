@@ -221,10 +221,10 @@ refprof)
   run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,8 --out "$R/ours" \
     --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true, \"fixed_length\": 8}}"
   run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
-  run prof_vllm python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/vllm" \
+  [ "${VLLM_PATH:-1}" = 1 ] && run prof_vllm python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/vllm" \
     --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}"
   for f in "$R"/ours/w*/host.txt "$R"/plain/host.txt "$R"/vllm/host.txt; do
-    [ -f "$f" ] && { echo "== $f"; head -45 "$f" | cut -c1-160; }; done
+    [ -f "$f" ] && { echo "== $f"; head -3 "$f"; sed -n '/^## host waits/,$p' "$f" | head -40 | cut -c1-160; }; done
   ;;
 refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

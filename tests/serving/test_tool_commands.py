@@ -49,6 +49,11 @@ def test_profile_summarises_each_verification_length(tmp_path):
                    and r["where"].endswith("(draft)")]
         assert (len(drafted) == 1 and drafted[0]["calls"] == 1.0) if w == 4 else not drafted
         assert (tmp_path / f"w{w}" / "host.txt").read_text().startswith("wall ")
+        # the calls that may wait for the device, with their callers: with spec rows vLLM's GDN metadata
+        # builder reads counts with .item() every step
+        items = [r for r in host["syncs"] if "'item'" in r["where"]]
+        assert all(r["calls"] > 0 and r["callers"] for r in host["syncs"])
+        assert (w == 4) == any(c.startswith("vllm/v1/attention/backends/gdn_attn.py") for r in items for c in r["callers"])
     for w, s in summaries.items():
         assert s["verified_length"] == w and s["batch"] == 2 and len(s["step_ms"]) == 3
         assert all(t > 0 for t in s["step_ms"]) and s["mean_step_ms"] > 0

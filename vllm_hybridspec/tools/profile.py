@@ -92,8 +92,9 @@ def graph_split(events: list[dict], steps: int, top: int = 15) -> dict:
 def host_functions(engine, steps: int, path: Path, top: int = 40) -> dict:
     """``steps`` more steps under cProfile (wall clock, so a function that waits for the device counts
     the wait), without torch.profiler; writes ``path`` (per step: the plugin's and vLLM's functions by
-    cumulative ms, then every function by self ms) and returns the wall ms per step of the profiled
-    steps and the top ``top`` plugin and vLLM functions by cumulative ms per step."""
+    cumulative ms, every function by self ms, then the calls that may wait for the device,
+    :data:`SYNC_NAMES`, each with its callers) and returns the wall ms per step of the profiled steps,
+    the top ``top`` plugin and vLLM functions by cumulative ms per step and the ``syncs``."""
     import cProfile
     import pstats
 
@@ -104,13 +105,16 @@ def host_functions(engine, steps: int, path: Path, top: int = 40) -> dict:
         engine.step()
     prof.disable()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    rows = []
-    for (file, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
-        where = file.split("site-packages/")[-1]
-        where = where[where.index("vllm_hybridspec/"):] if "vllm_hybridspec/" in where else where
-        rows.append({"where": f"{where}:{line}({name})", "calls": round(nc / steps, 2),
+    rows, syncs = [], []
+    for (file, line, name), (_, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
+        where = _short(file, line, name)
+        rows.append({"where": where, "calls": round(nc / steps, 2),
                      "self_ms": round(tt * 1e3 / steps, 3), "cum_ms": round(ct * 1e3 / steps, 3)})
+        if any(s in name for s in SYNC_NAMES):
+            syncs.append({"where": where, "calls": round(nc / steps, 2), "self_ms": round(tt * 1e3 / steps, 3),
+                          "callers": {_short(*c): round(v[1] / steps, 2) for c, v in callers.items()}})
     rows.sort(key=lambda r: -r["cum_ms"])
+    syncs.sort(key=lambda r: -r["self_ms"])
     ours = [r for r in rows if r["where"].startswith("vllm_hybridspec/")]
     vllm = [r for r in rows if r["where"].startswith("vllm/")]
     with path.open("w") as f:
@@ -122,7 +126,27 @@ def host_functions(engine, steps: int, path: Path, top: int = 40) -> dict:
             for r in table[:limit]:
                 f.write(f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls']:7.2f}  {r['where']}\n")
             f.write("\n")
-    return {"wall_ms_per_step": round(wall_ms, 3), "plugin": ours[:top], "vllm": vllm[:top]}
+        f.write(f"## host waits and device reads ({', '.join(SYNC_NAMES)}): self ms and calls per step, callers\n")
+        for r in syncs:
+            f.write(f"{r['self_ms']:8.3f} {r['calls']:7.2f}  {r['where']}\n")
+            for caller, n in sorted(r["callers"].items(), key=lambda kv: -kv[1]):
+                f.write(f"{'':17}{n:7.2f}  <- {caller}\n")
+    return {"wall_ms_per_step": round(wall_ms, 3), "plugin": ours[:top], "vllm": vllm[:top], "syncs": syncs}
+
+
+# functions whose name says they may wait for the device (cProfile names builtins by their method name)
+SYNC_NAMES = ("synchronize", "'item'", "'tolist'", "'cpu'", "_local_scalar_dense", "'numpy'")
+
+
+def _short(file: str, line: int, name: str) -> str:
+    """``file:line(name)`` with the file from its package on (``vllm_hybridspec/...``, ``vllm/...``)."""
+    for root in ("vllm_hybridspec/", "/vllm/"):
+        if root in file:
+            file = file[file.index(root):].lstrip("/")
+            break
+    else:
+        file = file.split("site-packages/")[-1]
+    return f"{file}:{line}({name})"
 
 
 def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runner=None, sync: bool = True,
