@@ -214,7 +214,7 @@ refprof)
   # and then cProfile (host.txt: Python functions by wall ms per step) of ours at w = 1 (drafting off) and 8,
   # vLLM's own GDN path (every draft) and plain decoding
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
-  P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 128 --batch 1 --warmup 8 --steps 12
+  P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 300 --batch 1 --warmup 8 --steps 12
      --async-scheduling --cprofile --gpu-mem 0.2 --engine-args "$ENG")
   DC=''; [ "${FUSED_CONV:-0}" = 1 ] && DC='"gdn_fused_conv": true,'
   [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"

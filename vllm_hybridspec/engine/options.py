@@ -48,7 +48,7 @@ class HybridSpecOptions(BaseModel):
     drafter_fused_norms: bool = Field(default=True, description="run the H-Spec drafter's RMS norms as one "
                                       "Triton kernel each (GPU; drafter.fused.fuse_norms); false: torch's ops")
     drafter_grouped_attention: bool = Field(
-        default=False, description="run the H-Spec drafter's attention as two batched matmuls per layer, query "
+        default=True, description="run the H-Spec drafter's attention as two batched matmuls per layer, query "
         "heads grouped by KV head (GPU; drafter.attention.grouped_attention); false: torch's SDPA")
     drafter_candidate_heads: int = Field(default=0, ge=0, description="run the H-Spec drafter's Markov heads "
                                          "through this many candidate previous tokens per position (one pass "
@@ -63,9 +63,9 @@ class HybridSpecOptions(BaseModel):
         "graphs (exact on the H200 at max_num_seqs 8, docs/benchmarks/h200-2026-12-04b); false runs the engine "
         "piecewise")
     gdn_fused_conv: bool = Field(
-        default=False, description="with the one-slot GDN layer on a GPU, commit each round's conv window and "
-        "convolve its tokens in one Triton launch per layer (kernels.gdn.conv.spec_conv); false: torch's ops "
-        "(the default until the kernel has passed its GPU check)")
+        default=True, description="with the one-slot GDN layer on a GPU, commit each round's conv window and "
+        "convolve its tokens in one Triton launch per layer (kernels.gdn.conv.spec_conv); false: the same as "
+        "torch ops (spec_conv_torch)")
 
     @model_validator(mode="after")
     def _consistent(self) -> HybridSpecOptions:

@@ -13,7 +13,8 @@ keeps, one slot and a ``K_conv - 1`` wide window per request:
 - at the request's next forward, the same kernel first commits that pending round, ``S_m`` from the
   factors with ``m`` = accepted drafts + 1 (Eq. 7), writes it to the slot, and verifies the new
   round from it (``kernels.gdn.gdn_commit_verify``); the conv window is shifted by the same ``m``
-  inputs first (``commit.commit_conv_windows``);
+  inputs first, in the launch that convolves the round (``kernels.gdn.conv.spec_conv``; on the CPU
+  ``commit.commit_conv_windows`` and vLLM's CPU convolution);
 - rounds that no verification will consume (drafting turned off, a row on vLLM's path, a request
   left out of the batch) are committed before the forward (``pending.py``, ``runner.py``), so vLLM's
   own prefill and decode paths always read committed state.
@@ -40,14 +41,14 @@ from vllm_hybridspec.engine.gdn.layout import StepLayout, step_layout
 from vllm_hybridspec.engine.gdn.pending import pending_rounds_of
 from vllm_hybridspec.engine.options import hybridspec_options
 from vllm_hybridspec.kernels.gdn import StatePointers, VerifyFactors, commit_verify_, gdn_commit_verify, gdn_gating
-from vllm_hybridspec.kernels.gdn.conv import spec_conv, spec_conv_index
+from vllm_hybridspec.kernels.gdn.conv import spec_conv, spec_conv_torch
 
 
 class HSpecQwenGDN(QwenGatedDeltaNetAttention):
     """``QwenGatedDeltaNetAttention`` with one state slot per request when :func:`gdn_kernel_enabled`;
     otherwise exactly vLLM's layer."""
 
-    fused_conv = False  # the conv window commit and the convolution in one launch ("gdn_fused_conv", GPU)
+    fused_conv = False  # GPU: the window commit and the convolution in one launch ("gdn_fused_conv"), else torch ops
 
     def __init__(self, config, vllm_config, prefix: str = "", gqa_interleaved_layout=False,
                  reduce_results: bool = True) -> None:
@@ -56,7 +57,7 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         self.one_slot = gdn_kernel_enabled(vllm_config)
         self.kernels = _on_cuda()  # the Triton kernels (a GPU); else the torch references and vLLM's CPU conv
         options = hybridspec_options(vllm_config)
-        self.fused_conv = self.one_slot and self.kernels and options is not None and options.gdn_fused_conv
+        self.fused_conv = self.one_slot and self.kernels and (options is None or options.gdn_fused_conv)
         if needs_torch_prefill(vllm_config.model_config.dtype, _on_cuda()):
             # vLLM's FLA chunk kernel refuses float32: prefill through the exact torch path instead
             from vllm_hybridspec.engine.cpu.ops import TorchChunkGatedDeltaRule
@@ -215,11 +216,11 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         record = graph_record(self, layout, mixed_qkv, core_attn_out) if graph_check_enabled() else None
         if record is not None:
             record.before(self, layout)
-        if self.fused_conv:
+        if self.kernels:
             conv_out = self._spec_conv(layout, x)
         else:
             commit_conv_windows(self, layout.slots, layout.slab, layout.pending_m)
-            conv_out = self._conv(layout, x)
+            conv_out = self._conv_cpu(layout, x)
         q, k, v = (t[0] for t in self.rearrange_mixed_qkv(conv_out))  # [T, H, D]
         if self.kernels:
             out = gdn_commit_verify(q, k, v, g=a_s, beta=b_s, A_log=self.A_log, dt_bias=self.dt_bias,
@@ -246,27 +247,19 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         out_n = non_spec(*(t.index_select(0, rest) for t in (mixed_qkv, b, a)))
         core_attn_out.index_copy_(0, rest, out_n.to(core_attn_out.dtype))
 
-    def _conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
-        """The rounds' convolution from each slot's (committed) window, without writing the pool.
-        x ``[T, conv_dim]`` (pre-conv) -> ``[T, conv_dim]``."""
-        if not self.kernels:
-            return self._conv_cpu(layout, x)
-        conv = vllm_cpu_gdn_paths().conv_view(self)  # [slots, conv_dim, W]
-        W = conv.shape[-1]
-        idx = layout.conv_index.get(W)
-        if idx is None:
-            idx = layout.conv_index[W] = spec_conv_index(layout.cu, layout.n, x.shape[0], W)
-        return self._conv_from_windows(layout.slots, idx, x)
-
     def _spec_conv(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
-        """The rounds' window commit and convolution in one launch (``kernels.gdn.conv.spec_conv``, the
-        ``"gdn_fused_conv"`` option): the taps' float32 products added in tap order, where
-        :meth:`_conv_from_windows` adds them with torch's reduction (equal to rounding)."""
+        """GPU: each round's conv window shifted by its pending inputs (the commit, written to the pool)
+        and its tokens convolved from it, ``x`` ``[T, conv_dim]`` (pre-conv) -> ``[T, conv_dim]``: one
+        launch (``kernels.gdn.conv.spec_conv``), or with ``"gdn_fused_conv": false`` the same as torch
+        ops (``spec_conv_torch``; both add the taps' float32 products in tap order). vLLM's
+        ``causal_conv1d_update`` rounds differently (fused multiply-adds; bf16 products for bf16
+        weights), so spec-step and plain-decode conv outputs agree to rounding, not bit for bit."""
         paths = vllm_cpu_gdn_paths()
         taps, bias = self._conv_taps_fp32(paths.conv_weight(self))
-        return spec_conv(paths.conv_view(self), x, self.input_slab, taps, bias, layout.slots, layout.slab,
-                         layout.pending_m, layout.cu, self.slab_len, layout.max_len,
-                         silu=self.activation in ("silu", "swish"))
+        conv = spec_conv if self.fused_conv else spec_conv_torch
+        return conv(paths.conv_view(self), x, self.input_slab, taps, bias, layout.slots, layout.slab,
+                    layout.pending_m, layout.cu, self.slab_len, layout.max_len,
+                    silu=self.activation in ("silu", "swish"))
 
     def _conv_cpu(self, layout: StepLayout, x: torch.Tensor) -> torch.Tensor:
         """Per round with vLLM's own CPU convolution (``causal_conv1d_update_torch``), on a copy of the
@@ -283,26 +276,6 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
                 conv_out[s:e] = cpu.conv_update(x[s:e].T[None], window, weight, self.conv1d.bias,
                                                 self.activation)[0].T
         return conv_out
-
-    def _conv_from_windows(self, slots: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Each token's ``K_conv`` inputs gathered from ``[windows ; x]`` (``idx``, :func:`spec_conv_index`)
-        and combined in float32 (the products summed, then the bias, then SiLU). vLLM's
-        ``causal_conv1d_update`` kernel rounds differently (fused multiply-adds; bf16 products for bf16
-        weights), so spec-step and plain-decode conv outputs agree to rounding, not bit for bit."""
-        cpu = vllm_cpu_gdn_paths()
-        conv = cpu.conv_view(self)  # [slots, conv_dim, W]
-        weight = cpu.conv_weight(self)  # [conv_dim, K_conv]
-        W, n, T = conv.shape[-1], slots.shape[0], x.shape[0]
-        windows = conv.index_select(0, slots.long()).transpose(1, 2).reshape(n * W, -1)
-        src = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)])  # [n * W + T, conv_dim]
-        taps = src.index_select(0, idx.reshape(-1)).view(W + 1, T, -1).float()  # [K_conv, T, conv_dim]
-        taps_w, bias = self._conv_taps_fp32(weight)
-        acc = (taps * taps_w[:, None, :]).sum(0)
-        if bias is not None:
-            acc = acc + bias
-        if self.activation in ("silu", "swish"):
-            acc = torch.nn.functional.silu(acc)
-        return acc.to(x.dtype)
 
     def _conv_taps_fp32(self, weight) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv weight as float32 taps ``[K_conv, conv_dim]`` and the bias in float32, converted once

@@ -5,7 +5,7 @@ inside a CUDA graph."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class StepLayout:
     target_entry: torch.Tensor
     pending_m: torch.Tensor
     slab_rows: torch.Tensor
-    conv_index: dict = field(default_factory=dict)  # conv window width -> [W + 1, T] gather indices
 
     @classmethod
     def build(cls, md, rounds: PendingRounds) -> StepLayout:

@@ -12,14 +12,11 @@ nine GDN layers, 0.25-0.31 ms of a 16-token-per-request spec step's GPU time
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
 
-The layer's path only with ``"gdn_fused_conv": true`` (off by default): its first H200 check (``hybridspec kernels spec-conv``, 2026-12-04, an
-earlier version that walked a round's tokens one by one and stored the slab itself) found the windows
-or slabs of one of six shapes (16 requests of 2 tokens) different from the torch form's. The window
-shift is in place (column ``c`` takes column ``c + m``), and that version's barrier came after the
-window's store instead of between its reads and its store, so one thread could read a column another
-had already overwritten; Triton's interpreter runs a program's loads before its stores and cannot
-show it. Here every read comes before the barrier, the store after it, and the kernel writes no slab;
-this version has not run on a GPU.
+The window shift is in place (column ``c`` takes column ``c + m``), so every read of a program comes
+before its barrier and the window's store after it (Triton's interpreter runs a program's loads before
+its stores and cannot show a race there; the H200 check, ``hybridspec kernels spec-conv``, compares
+windows, slabs and outputs with the torch form at up to 32 requests: ``docs/benchmarks/h200-2026-12-04f``).
+The layer's path on GPUs unless ``"gdn_fused_conv": false``.
 """
 
 from __future__ import annotations
@@ -172,7 +169,8 @@ def spec_conv_torch(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, t
                     cu: torch.Tensor, slab_len: int, max_len: int, silu: bool) -> torch.Tensor:
     """:func:`spec_conv` as torch ops: the window commit (:func:`shift_conv_windows`), then each token's
     ``W + 1`` inputs gathered from ``[windows ; x]`` (:func:`spec_conv_index`) in ``x``'s dtype and
-    combined in float32."""
+    combined in float32. Reads nothing on the host, so it runs inside a CUDA graph too (the layer's
+    path with ``"gdn_fused_conv": false``)."""
     n, T = slots.shape[0], x.shape[0]
     W = conv.shape[-1]
     shift_conv_windows(conv, x_slab, slots, slab, pending_m, slab_len)
@@ -189,6 +187,5 @@ def spec_conv_torch(conv: torch.Tensor, x: torch.Tensor, x_slab: torch.Tensor, t
         acc = acc + bias
     if silu:
         acc = torch.nn.functional.silu(acc)
-    out = acc.to(x.dtype)
-    out[int(cu[n]):] = 0
-    return out
+    live = torch.arange(T, device=x.device) < cu[n].long()  # padding tokens past the last round: 0
+    return torch.where(live[:, None], acc, 0.0).to(x.dtype)

@@ -1,7 +1,7 @@
 """The one-slot layer's spec-step convolution of one GDN layer, vLLM-free: the one-launch kernel
-(``kernels.gdn.conv.spec_conv``, then the slab store) against the torch ops the layer runs (the window commit
-``shift_conv_windows``, the gather-and-reduce convolution and the input-slab ``index_copy_``, with the
-step's gather indices built once, as the layer cached them per step), each as one CUDA graph, after
+(``kernels.gdn.conv.spec_conv``, then the slab store) against the same as torch ops
+(``spec_conv_torch``: the window commit ``shift_conv_windows``, the gather-and-reduce convolution; then
+the slab store), what the layer runs with ``"gdn_fused_conv": false``, each as one CUDA graph, after
 checking the two agree. B requests of one round of ``length`` tokens (``K + 1 = 16`` in a full-graph
 spec step, whatever the selected length), each with ``length - 1`` pending inputs to commit.
 """
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from vllm_hybridspec.kernels.gdn.conv import shift_conv_windows, spec_conv, spec_conv_index
+from vllm_hybridspec.kernels.gdn.conv import spec_conv, spec_conv_torch
 
 from .timing import graph_ms, log
 
@@ -33,8 +33,7 @@ def make_step(B: int, length: int, conv_dim: int, width: int, dtype, device, see
         pending_m=torch.full((B,), max(length - 1, 1), dtype=torch.int32, device=device),
         cu=torch.arange(0, B * length + 1, length, dtype=torch.int32, device=device),
         S=S)
-    n, T = B, B * length
-    step["idx"] = spec_conv_index(step["cu"], n, T, W)
+    T = B * length
     t = torch.arange(T, device=device)
     step["rows"] = step["slab"].long().repeat_interleave(length) * S + t % length
     return step
@@ -49,15 +48,10 @@ def fused(s: dict) -> torch.Tensor:
 
 
 def torch_ops(s: dict) -> torch.Tensor:
-    """The layer's torch ops before the one-launch kernel, indices precomputed."""
-    conv, x, taps = s["conv"], s["x"], s["taps"]
-    shift_conv_windows(conv, s["x_slab"], s["slots"], s["slab"], s["pending_m"], s["S"])
-    W, n, T = conv.shape[-1], s["slots"].shape[0], x.shape[0]
-    windows = conv.index_select(0, s["slots"].long()).transpose(1, 2).reshape(n * W, -1)
-    src = torch.cat([windows.to(x.dtype), x])
-    inputs = src.index_select(0, s["idx"].reshape(-1)).view(W + 1, T, -1).float()
-    out = torch.nn.functional.silu((inputs * taps[:, None, :]).sum(0) + s["bias"]).to(x.dtype)
-    s["x_slab"].index_copy_(0, s["rows"], x)
+    """``spec_conv_torch``, then the same slab store."""
+    out = spec_conv_torch(s["conv"], s["x"], s["x_slab"], s["taps"], s["bias"], s["slots"], s["slab"], s["pending_m"],
+                          s["cu"], s["S"], s["S"], silu=True)
+    s["x_slab"].index_copy_(0, s["rows"], s["x"])
     return out
 
 
