@@ -23,10 +23,8 @@ script, not part of the engine.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -206,29 +204,11 @@ def aten_counts(engine, excluded: Excluded, steps: int) -> Counter:
 
 
 def cprofile_steps(engine, steps: int, path: Path) -> list[dict]:
-    prof = cProfile.Profile(CLOCK)
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
-    prof.dump_stats(str(path.with_suffix(".pstats")))
-    stats = pstats.Stats(prof)
-    rows = []
-    for (file, line, name), (cc, nc, tt, ct, callers) in stats.stats.items():
-        rows.append({"where": f"{file.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{line}({name})",
-                     "calls_per_step": nc / steps, "self_ms": tt * 1e3 / steps, "cum_ms": ct * 1e3 / steps})
-    rows.sort(key=lambda r: -r["cum_ms"])
-    ours = [r for r in rows if r["where"].startswith("vllm_hybridspec/")]
-    vllm = [r for r in rows if r["where"].startswith("vllm/")]
-    with path.open("w") as f:
-        for title, table, limit in (("vllm_hybridspec (cumulative ms per step)", ours, 80),
-                                    ("vllm (cumulative ms per step)", vllm, 80),
-                                    ("all, by self time", sorted(rows, key=lambda r: -r["self_ms"]), 60)):
-            f.write(f"## {title}\n{'cum_ms':>8} {'self_ms':>8} {'calls':>7}  where\n")
-            for r in table[:limit]:
-                f.write(f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls_per_step']:7.1f}  {r['where']}\n")
-            f.write("\n")
-    return ours
+    """``hybridspec profile --cprofile``'s table (``tools.profile.host_functions``) on the main thread's
+    CPU time; returns the plugin's functions."""
+    from vllm_hybridspec.tools.profile import host_functions
+
+    return host_functions(engine, steps, path, top=80, clock=CLOCK)["plugin"]
 
 
 def measure(llm, name: str, args, excluded: Excluded) -> dict:

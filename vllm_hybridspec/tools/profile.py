@@ -89,16 +89,16 @@ def graph_split(events: list[dict], steps: int, top: int = 15) -> dict:
     return out
 
 
-def host_functions(engine, steps: int, path: Path, top: int = 40) -> dict:
-    """``steps`` more steps under cProfile (wall clock, so a function that waits for the device counts
-    the wait), without torch.profiler; writes ``path`` (per step: the plugin's and vLLM's functions by
+def host_functions(engine, steps: int, path: Path, top: int = 40, clock=time.perf_counter) -> dict:
+    """``steps`` more steps under cProfile (``clock``: wall time by default, so a function that waits for
+    the device counts the wait), without torch.profiler; writes ``path`` (per step: the plugin's and vLLM's functions by
     cumulative ms, every function by self ms, then the calls that may wait for the device,
     :data:`SYNC_NAMES`, each with its callers) and returns the wall ms per step of the profiled steps,
     the top ``top`` plugin and vLLM functions by cumulative ms per step and the ``syncs``."""
     import cProfile
     import pstats
 
-    prof = cProfile.Profile(time.perf_counter)
+    prof = cProfile.Profile(clock)
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(steps):
