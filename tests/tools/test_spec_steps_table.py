@@ -24,3 +24,28 @@ def test_the_table_keeps_the_untrimmed_row_apart_and_matches_vllm_by_length():
     assert by[(1, 16, False)]["vllm_ms"] == by[(1, 16, True)]["vllm_ms"] == 7.0
     assert by[(1, 16, True)]["vllm_mode"] == "PIECEWISE" and by[(1, 8, True)]["vllm_ms"] is None
     assert by[(4, 16, True)]["vllm_ms"] is None and by[(4, 16, True)]["ours_mode"] == "PIECEWISE"
+
+
+def test_rows_of_each_draft_kind_stay_apart_and_meet_vllm_of_the_same_kind():
+    """``spec-steps --drafts model,spread``: a (B, w) row per kind, vLLM's step of the same kind beside it."""
+    ours = {"rows": [row(4, 16, 5.0, drafts="model"), row(4, 16, 8.1, drafts="spread"), row(4, 2, 5.2, drafts="spread")]}
+    vllm15 = {"speculative_config": {"num_speculative_tokens": 15},
+              "rows": [row(4, 16, 5.8, drafts="model"), row(4, 16, 8.5, drafts="spread")]}
+    table = spec_steps_table(ours, {"rows": [{"B": 4, "ms": 2.1}]}, [vllm15], "slice", "cmd")
+    by = {(r["B"], r["w"], r["drafts"]): r for r in table["rows"]}
+    assert set(by) == {(4, 16, "model"), (4, 16, "spread"), (4, 2, "spread")}
+    assert by[(4, 16, "model")]["ours_ms"] == 5.0 and by[(4, 16, "model")]["vllm_ms"] == 5.8
+    assert by[(4, 16, "spread")]["ours_ms"] == 8.1 and by[(4, 16, "spread")]["vllm_ms"] == 8.5
+    assert by[(4, 2, "spread")]["vllm_ms"] is None
+    # a result written before --drafts (no "drafts" key) reads as the drafter's own tokens
+    old = spec_steps_table({"rows": [row(1, 16, 4.4)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [vllm15], "s", "c")
+    assert old["rows"][0]["drafts"] == "model" and old["rows"][0]["vllm_ms"] is None
+
+
+def test_the_table_reads_each_rows_median_where_it_has_one():
+    """A capture spike moves a row's mean, not its median: the table takes the median."""
+    ours = {"rows": [row(1, 4, 5.14, median_ms=4.59), row(1, 16, 4.46)]}
+    plain = {"rows": [{"B": 1, "ms": 2.90, "median_ms": 2.88}]}
+    table = spec_steps_table(ours, plain, [], "s", "c")
+    assert table["plain_ms"] == {"1": 2.88}
+    assert [r["ours_ms"] for r in table["rows"]] == [4.59, 4.46]

@@ -220,7 +220,9 @@ class StepsRow(BaseModel):
     B: int = Field(ge=1)
     w: int | None = Field(default=None, ge=1)
     ms: float = Field(ge=0)
+    median_ms: float | None = Field(default=None, ge=0)
     trimmed: bool = True
+    drafts: str = "model"
     graph_modes: dict[str, int] = Field(default_factory=dict)
 
 
@@ -264,21 +266,30 @@ def read_steps(path: Path, option: str) -> dict:
 
 
 def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str) -> dict:
-    """``docs/benchmarks/spec_steps.json``: one row per (B, w) of ``ours``, with vLLM's full-graph step
-    at the same length where one of ``vllm_runs`` (engines verifying all ``K + 1``) has it."""
-    plain_ms = {str(r["B"]): r["ms"] for r in plain["rows"]}
+    """``docs/benchmarks/spec_steps.json``: one row per (B, w, drafts) of ``ours``, with vLLM's full-graph
+    step at the same length and with the same kind of drafts (``spec-steps --drafts``) where one of
+    ``vllm_runs`` (engines verifying all ``K + 1``) has it. A row's figure is its median step (the mean
+    where a result has none): a drafter graph captured while the prefix grows past a capacity bucket
+    is one step of tens of milliseconds that the mean spreads over the row."""
+    plain_ms = {str(r["B"]): _ms(r) for r in plain["rows"]}
     vllm_ms = {}
     for run in vllm_runs:
         k1 = run["speculative_config"]["num_speculative_tokens"] + 1
         for r in run["rows"]:
             if r["w"] == k1:
-                vllm_ms[(r["B"], k1)] = (r["ms"], _mode(r))
+                vllm_ms[(r["B"], k1, r.get("drafts", "model"))] = (_ms(r), _mode(r))
     rows = []
     for r in ours["rows"]:
-        v = vllm_ms.get((r["B"], r["w"]))
-        rows.append({"B": r["B"], "w": r["w"], "trimmed": r.get("trimmed", True), "ours_ms": r["ms"], "ours_mode": _mode(r),
-                     "vllm_ms": None if v is None else v[0], "vllm_mode": None if v is None else v[1]})
+        drafts = r.get("drafts", "model")
+        v = vllm_ms.get((r["B"], r["w"], drafts))
+        rows.append({"B": r["B"], "w": r["w"], "trimmed": r.get("trimmed", True), "drafts": drafts, "ours_ms": _ms(r),
+                     "ours_mode": _mode(r), "vllm_ms": None if v is None else v[0],
+                     "vllm_mode": None if v is None else v[1]})
     return {"shape": shape, "command": command, "plain_ms": plain_ms, "rows": rows}
+
+
+def _ms(row: dict) -> float:
+    return row["median_ms"] if row.get("median_ms") is not None else row["ms"]
 
 
 def _mode(row: dict) -> str:
