@@ -211,7 +211,8 @@ ref32|ref32full|ref32dense)
   ;;
 refprof)
   # where the reference hybrid's step time goes at batch 1 (bf16, async scheduling, default graphs): torch.profiler
-  # and then cProfile (host.txt: Python functions by wall ms per step) of ours at w = 1 (drafting off) and 8,
+  # and then cProfile (host.txt: Python functions by wall ms per step, and where the host is blocked: wall less
+  # CPU time per function, with callers) of ours at w = 1 (drafting off) and 8,
   # vLLM's own GDN path (every draft) and plain decoding
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
   P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 300 --batch 1 --warmup 8 --steps 12
@@ -224,7 +225,7 @@ refprof)
   [ "${VLLM_PATH:-1}" = 1 ] && run prof_vllm python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/vllm" \
     --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}"
   for f in "$R"/ours/w*/host.txt "$R"/plain/host.txt "$R"/vllm/host.txt; do
-    [ -f "$f" ] && { echo "== $f"; head -3 "$f"; sed -n '/^## host waits/,$p' "$f" | head -40 | cut -c1-160; }; done
+    [ -f "$f" ] && { echo "== $f"; head -1 "$f"; sed -n '/^## where the host is blocked/,$p' "$f" | head -22 | cut -c1-150; }; done
   ;;
 refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

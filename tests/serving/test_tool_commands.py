@@ -54,6 +54,15 @@ def test_profile_summarises_each_verification_length(tmp_path):
         items = [r for r in host["syncs"] if "'item'" in r["where"]]
         assert all(r["calls"] > 0 and r["callers"] for r in host["syncs"])
         assert (w == 4) == any(c.startswith("vllm/v1/attention/backends/gdn_attn.py") for r in items for c in r["callers"])
+        # where the host is blocked: a second pass on the main thread's CPU time, the two passes' clocks
+        # equally costly, so wall less CPU time is not negative beyond noise (with a cheaper wall clock it
+        # was -20 % of the step here); a busy machine may add wall time, so no upper bound
+        waits = s["host_functions"]["waits"]
+        assert waits["total_wait_ms_per_step"] > -0.1 * host["wall_ms_per_step"]
+        clean = waits["unprofiled"]
+        assert clean["wall_ms_per_step"] > 0 and clean["blocked_ms_per_step"] > -0.05 * clean["wall_ms_per_step"]
+        assert all(r["self_wait_ms"] >= 0.005 and isinstance(r["callers"], dict) for r in waits["by_self"])
+        assert "## where the host is blocked" in (tmp_path / f"w{w}" / "host.txt").read_text()
     for w, s in summaries.items():
         assert s["verified_length"] == w and s["batch"] == 2 and len(s["step_ms"]) == 3
         assert all(t > 0 for t in s["step_ms"]) and s["mean_step_ms"] > 0

@@ -11,8 +11,9 @@ summarised by operator.
 Writes, per profiled length ``w`` (under ``<out>/w<w>/`` with ``--lengths``, else ``<out>/``),
 ``ops.txt`` (operators by self time, CPU and CUDA), ``summary.json`` (step times, GPU busy time,
 kernel launches and aten operators per step, the host time of the top operators, the runner's named
-phases), with ``--trace`` a Chrome trace, and with ``--cprofile`` ``host.txt`` (as many steps again under
-cProfile: the Python functions by cumulative wall time per step). Without ``--speculative-config`` it profiles plain
+phases), with ``--trace`` a Chrome trace, and with ``--cprofile`` ``host.txt`` (twice as many steps again
+under cProfile: the Python functions by cumulative wall time per step, and where the host is blocked,
+each function's wall less its CPU time, with the blocking call's callers). Without ``--speculative-config`` it profiles plain
 decoding, for the side-by-side. Async scheduling is off by default, so that a step's host and device
 work are the step's own; ``--async-scheduling`` profiles the engine as it serves, host preparation
 overlapping the device's previous step (no sync between steps; ``step_ms`` is then the mean over the
@@ -89,24 +90,40 @@ def graph_split(events: list[dict], steps: int, top: int = 15) -> dict:
     return out
 
 
-def host_functions(engine, steps: int, path: Path, top: int = 40, clock=time.perf_counter) -> dict:
+def host_functions(engine, steps: int, path: Path, top: int = 40, clock=time.perf_counter, waits: bool = True,
+                   runner=None) -> dict:
     """``steps`` more steps under cProfile (``clock``: wall time by default, so a function that waits for
-    the device counts the wait), without torch.profiler; writes ``path`` (per step: the plugin's and vLLM's functions by
-    cumulative ms, every function by self ms, then the calls that may wait for the device,
-    :data:`SYNC_NAMES`, each with its callers) and returns the wall ms per step of the profiled steps,
-    the top ``top`` plugin and vLLM functions by cumulative ms per step and the ``syncs``."""
+    the device counts the wait), without torch.profiler; writes ``path`` (per step: the plugin's and
+    vLLM's functions by cumulative ms, every function by self ms, then the calls that may wait for the
+    device, :data:`SYNC_NAMES`, each with its callers) and returns the wall ms per step of the profiled
+    steps, the top ``top`` plugin and vLLM functions by cumulative ms per step and the ``syncs``.
+
+    With ``waits`` (and the default wall clock), ``steps`` more steps under cProfile on the main thread's
+    CPU time: a function's wall time less its CPU time is time the host spent blocked inside it (a
+    device sync, a copy that waits, the GIL held by another thread), so the ``waits`` table (also
+    written to ``path``) names where an async-scheduled step stops overlapping the device. With
+    ``runner``, the drafter's rounds during the profiled steps (a graph capture in the window costs an
+    eager round and a device sync)."""
     import cProfile
     import pstats
 
-    prof = cProfile.Profile(clock)
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    prof.disable()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    from vllm_hybridspec.tools.spec_steps import drafter_counts
+
+    def profiled(clock_fn):
+        before = drafter_counts(runner)
+        prof = cProfile.Profile(clock_fn)
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            engine.step()
+        prof.disable()
+        rounds = {k: n - before[k] for k, n in drafter_counts(runner).items()}
+        return pstats.Stats(prof).stats, (time.perf_counter() - t0) * 1e3 / steps, rounds
+
+    balanced = waits and clock == time.perf_counter
+    stats, wall_ms, rounds = profiled(_wall_clock if balanced else clock)
     rows, syncs = [], []
-    for (file, line, name), (_, nc, tt, ct, callers) in pstats.Stats(prof).stats.items():
+    for (file, line, name), (_, nc, tt, ct, callers) in stats.items():
         where = _short(file, line, name)
         rows.append({"where": where, "calls": round(nc / steps, 2),
                      "self_ms": round(tt * 1e3 / steps, 3), "cum_ms": round(ct * 1e3 / steps, 3)})
@@ -117,8 +134,25 @@ def host_functions(engine, steps: int, path: Path, top: int = 40, clock=time.per
     syncs.sort(key=lambda r: -r["self_ms"])
     ours = [r for r in rows if r["where"].startswith("vllm_hybridspec/")]
     vllm = [r for r in rows if r["where"].startswith("vllm/")]
+    blocked = None
+    if balanced:
+        cpu_stats, cpu_wall_ms, cpu_rounds = profiled(_cpu_clock)
+        blocked = wait_table(stats, cpu_stats, steps)
+        blocked["cpu_pass_wall_ms_per_step"] = round(cpu_wall_ms, 3)
+        if cpu_rounds:
+            blocked["cpu_pass_drafter_rounds"] = cpu_rounds
+        # the same without a profiler: the step's wall and CPU time as it serves
+        wall_s = cpu_s = 0.0
+        for _ in range(steps):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            engine.step()
+            wall_s, cpu_s = wall_s + time.perf_counter() - w0, cpu_s + time.thread_time() - c0
+        blocked["unprofiled"] = {"wall_ms_per_step": round(wall_s * 1e3 / steps, 3),
+                                 "cpu_ms_per_step": round(cpu_s * 1e3 / steps, 3),
+                                 "blocked_ms_per_step": round((wall_s - cpu_s) * 1e3 / steps, 3)}
     with path.open("w") as f:
-        f.write(f"wall {wall_ms:.3f} ms per step under cProfile, {steps} steps\n\n")
+        f.write(f"wall {wall_ms:.3f} ms per step under cProfile, {steps} steps"
+                + (f"; drafter rounds {rounds}" if rounds else "") + "\n\n")
         for title, table, limit in (("vllm_hybridspec (cumulative ms per step)", ours, 100),
                                     ("vllm (cumulative ms per step)", vllm, 100),
                                     ("all, by self time", sorted(rows, key=lambda r: -r["self_ms"]), 80)):
@@ -131,7 +165,78 @@ def host_functions(engine, steps: int, path: Path, top: int = 40, clock=time.per
             f.write(f"{r['self_ms']:8.3f} {r['calls']:7.2f}  {r['where']}\n")
             for caller, n in sorted(r["callers"].items(), key=lambda kv: -kv[1]):
                 f.write(f"{'':17}{n:7.2f}  <- {caller}\n")
-    return {"wall_ms_per_step": round(wall_ms, 3), "plugin": ours[:top], "vllm": vllm[:top], "syncs": syncs}
+        if blocked is not None:
+            f.write("\n" + format_waits(blocked))
+    result = {"wall_ms_per_step": round(wall_ms, 3), "plugin": ours[:top], "vllm": vllm[:top], "syncs": syncs}
+    if rounds:
+        result["drafter_rounds"] = rounds
+    if blocked is not None:
+        result["waits"] = blocked
+    return result
+
+
+def _wall_clock() -> float:
+    """cProfile's clock for the wall pass of ``host_functions``: reads the thread CPU clock too, so that
+    both passes pay the same per-event cost (the thread CPU clock is a system call, the wall clock is
+    not: with unequal clocks every function with many calls below it looks blocked by a negative
+    time)."""
+    time.thread_time()
+    return time.perf_counter()
+
+
+def _cpu_clock() -> float:
+    time.perf_counter()
+    return time.thread_time()
+
+
+def wait_table(wall_stats: dict, cpu_stats: dict, steps: int, top: int = 25, min_ms: float = 0.005) -> dict:
+    """Where the host is blocked, from two cProfile passes of ``steps`` steps each (``pstats``' ``stats``
+    dicts): one on wall time, one on the main thread's CPU time. Per function, ms per step of wall
+    minus CPU time, inside the function itself (``self``: the call that blocks, e.g. a synchronize or a
+    graph launch waiting for a full queue) and below it (``cum``: which step phase it blocks); the
+    ``top`` of each at least ``min_ms``, the self ones with their callers. ``total``: the step's wall
+    less its CPU time (the root functions' cumulative times)."""
+    def per_step(stats):
+        return {key: (tt * 1e3 / steps, ct * 1e3 / steps) for key, (_, _, tt, ct, _) in stats.items()}
+
+    wall, cpu = per_step(wall_stats), per_step(cpu_stats)
+    rows = []
+    for key, (tt, ct) in wall.items():
+        c_tt, c_ct = cpu.get(key, (0.0, 0.0))
+        rows.append((key, tt - c_tt, ct - c_ct, tt, ct))
+    roots = [key for key, value in wall_stats.items() if not value[4]]  # no callers: the profiled calls
+    total = sum(wall[k][1] for k in roots) - sum(cpu.get(k, (0.0, 0.0))[1] for k in roots)
+
+    def entry(row, with_callers=False):
+        key, self_wait, cum_wait, tt, ct = row
+        e = {"where": _short(*key), "self_wait_ms": round(self_wait, 3), "cum_wait_ms": round(cum_wait, 3),
+             "self_wall_ms": round(tt, 3), "cum_wall_ms": round(ct, 3)}
+        if with_callers:
+            callers = wall_stats[key][4]
+            e["callers"] = {_short(*c): round(v[1] / steps, 2) for c, v in
+                            sorted(callers.items(), key=lambda kv: -kv[1][3])[:4]}
+        return e
+
+    by_self = sorted((r for r in rows if r[1] >= min_ms), key=lambda r: -r[1])[:top]
+    by_cum = sorted((r for r in rows if r[2] >= min_ms), key=lambda r: -r[2])[:top]
+    return {"total_wait_ms_per_step": round(total, 3), "by_self": [entry(r, True) for r in by_self],
+            "by_cum": [entry(r) for r in by_cum]}
+
+
+def format_waits(waits: dict) -> str:
+    clean = waits.get("unprofiled")
+    lines = [f"## where the host is blocked (wall less the main thread's CPU time, ms per step; "
+             f"{waits['total_wait_ms_per_step']:.3f} in all under cProfile"
+             + (f"; without it {clean['blocked_ms_per_step']:.3f} of a {clean['wall_ms_per_step']:.3f} ms step"
+                if clean else "") + ")",
+             "### inside the function itself, with its callers",
+             f"{'wait_ms':>8} {'wall_ms':>8}  where"]
+    for r in waits["by_self"]:
+        lines.append(f"{r['self_wait_ms']:8.3f} {r['self_wall_ms']:8.3f}  {r['where']}")
+        lines += [f"{'':19}{n:7.2f}  <- {c}" for c, n in r["callers"].items()]
+    lines += ["### below the function (the phase it blocks)", f"{'wait_ms':>8} {'wall_ms':>8}  where"]
+    lines += [f"{r['cum_wait_ms']:8.3f} {r['cum_wall_ms']:8.3f}  {r['where']}" for r in waits["by_cum"]]
+    return "\n".join(lines) + "\n"
 
 
 # functions whose name says they may wait for the device (cProfile names builtins by their method name)
@@ -193,7 +298,7 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runne
         prof.export_chrome_trace(str(out / "trace.json"))
         summary["gpu_split"] = graph_split(json.loads((out / "trace.json").read_text())["traceEvents"], steps)
     if cprofile:
-        summary["host_functions"] = host_functions(engine, steps, out / "host.txt")
+        summary["host_functions"] = host_functions(engine, steps, out / "host.txt", runner=runner)
     return summary
 
 
@@ -209,9 +314,10 @@ def profile_command(
     warmup: int = typer.Option(8, min=1, help="untimed steps before each profile"),
     steps: int = typer.Option(6, min=1, help="profiled steps"),
     trace: bool = typer.Option(False, help="also write a Chrome trace (large)"),
-    cprofile: bool = typer.Option(False, help="then as many steps again under cProfile, without torch.profiler: "
-                                  "host.txt and summary.json's host_functions (the plugin's and vLLM's functions "
-                                  "by cumulative wall ms per step)"),
+    cprofile: bool = typer.Option(False, help="then twice as many steps again under cProfile, without "
+                                  "torch.profiler: host.txt and summary.json's host_functions (the plugin's and "
+                                  "vLLM's functions by cumulative wall ms per step, and where the host is blocked: "
+                                  "wall less the main thread's CPU time per function)"),
     async_scheduling: bool = typer.Option(False, "--async-scheduling", help="profile with async scheduling on, as "
                                           "the engine serves (no sync between steps)"),
     out: Path = typer.Option(..., help="result directory"),
