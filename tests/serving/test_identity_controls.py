@@ -107,17 +107,14 @@ def caught(ours, plain, label, model):
 
 
 def plant_commit_one_short(monkeypatch) -> None:
-    """The planted "commit m - 1": ``PendingRounds.sampled`` gets each row's output less its last
-    accepted token (shared with ``test_sampling_engine_hybrid.py``)."""
+    """The planted "commit m - 1": ``PendingRounds.sampled`` gets each row's kept-token count less one
+    (its last accepted token not committed; shared with ``test_sampling_engine_hybrid.py``)."""
     from vllm_hybridspec.engine.gdn.pending import PendingRounds
 
     sampled = PendingRounds.sampled
 
-    def one_short(self, output_token_ids):
-        # [N, K + 1], -1 after each row's accepted tokens: drop each row's last one
-        keep = (output_token_ids != -1).sum(1, keepdim=True) > torch.arange(
-            output_token_ids.shape[1], device=output_token_ids.device) + 1
-        return sampled(self, torch.where(keep, output_token_ids, -1))
+    def one_short(self, counts):
+        return sampled(self, counts - 1)
 
     monkeypatch.setattr(PendingRounds, "sampled", one_short)
 

@@ -431,8 +431,7 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4, fused_conv=Fa
     attach(runner, rounds)
     if corrupt == "m-1":
         real_sampled = rounds.sampled
-        rounds.sampled = lambda out: real_sampled(torch.where(
-            (out != -1).sum(1, keepdim=True) > torch.arange(out.shape[1]) + 1, out, -1))
+        rounds.sampled = lambda counts: real_sampled(counts - 1)  # each row's last kept token not committed
     if corrupt == "no-conv-shift":
         layer_module.commit_conv_windows = lambda *args: None
     if corrupt == "fused-conv-m-1":
@@ -535,7 +534,7 @@ def simulate(seed, kernels, steps, corrupt=None, debug=False, S=4, fused_conv=Fa
                 m = rnd.randint(1, lens[i]) if i in truth and drafts[i] >= 0 else rnd.randint(0, 1)
                 sampled[i, :m] = 1
                 ms[i] = m if drafts[i] >= 0 else 1
-            rounds.sampled(sampled)
+            rounds.sampled((sampled != -1).sum(dim=1, dtype=torch.int32))  # as vLLM counts num_accepted_tokens
             for i, (_, states) in truth.items():
                 s, e = cu[i], cu[i + 1]
                 requests[batch[i]].commit(states, x[s:e], ms[i])

@@ -62,6 +62,7 @@ def test_our_verify_and_commit_equal_vllm_per_token_state_path():
 def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     import dataclasses
     import inspect
+    import re
 
     from vllm.model_executor import custom_op
     from vllm.model_executor.layers.mamba.abstract import MambaBase
@@ -115,6 +116,12 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     assert list(inspect.signature(hook).parameters) == ["self", "output_token_ids", "scheduler_output"]
     assert "self._update_states_after_model_execute(\n            sampler_output.sampled_token_ids" in \
         inspect.getsource(GPUModelRunner.sample_tokens)
+    # ... which first counts each row's kept tokens into num_accepted_tokens.gpu for every hybrid model
+    # with a speculative config (PendingRounds.sampled takes its m from there, engine/gdn/runner.py)
+    body = re.sub(r"\s+", "", inspect.getsource(hook))
+    assert "ifnotself.speculative_configornotself.model_config.is_hybrid:return" in body
+    assert "self.num_accepted_tokens.gpu[:num_reqs]=(output_token_ids!=-1).sum(dim=1)" in body
+    assert body.index("self.num_accepted_tokens.gpu[:num_reqs]=") < body.index("ifself.cache_config.mamba_cache_mode")
     # the page size comes from the model class before any layer exists
     assert "model_cls.get_mamba_state_shape_from_config(vllm_config)" in inspect.getsource(interface)
     for module, name in QWEN_GDN_MODEL_CLASSES:

@@ -74,7 +74,7 @@ def test_a_running_scheduler_follows_the_selector():
 def test_a_step_without_drafts_either_way_skips_the_drafting_round():
     """``GPUModelRunner.propose_draft_token_ids``: skipped (an empty drafts tensor from the selector's
     gate) only when the step verified no draft and the next one schedules none."""
-    from vllm_hybridspec.engine.length.trimming import attach_selector
+    from vllm_hybridspec.engine.runner_state import state_of
 
     calls = []
     wrapped = gate_module._no_round_when_nothing_is_drafted(lambda self, *a: calls.append(a) or "drafted")
@@ -82,7 +82,7 @@ def test_a_step_without_drafts_either_way_skips_the_drafting_round():
     selector = SimpleNamespace(gated=lambda drafts: gated.append(drafts) or drafts,
                                no_drafts=LengthSelector.no_drafts.__get__(SimpleNamespace(_no_drafts={})))
     runner = _Obj(input_batch=SimpleNamespace(num_reqs=3), device=torch.device("cpu"))
-    attach_selector(runner, selector)
+    state_of(runner).selector = selector
     out = SimpleNamespace(num_spec_tokens_to_schedule=0)
     drafts = wrapped(runner, out, None, None, None, None, None, None, None, None)
     assert drafts.shape == (3, 0) and gated == [drafts] and not calls

@@ -57,16 +57,16 @@ class _Selector:
 
 class _FakeRunner:
     """What the trimming wrappers read of ``GPUModelRunner``; the selector reaches them through
-    ``attach_selector``, as the proposer attaches its own."""
+    ``RunnerState.selector``, as the proposer sets its own."""
 
     def __init__(self, selector, drafts, async_scheduling):
         from types import SimpleNamespace
 
-        from vllm_hybridspec.engine.length.trimming import attach_selector
+        from vllm_hybridspec.engine.runner_state import state_of
 
         self._draft_token_ids, self.use_async_scheduling, self.requests = drafts, async_scheduling, {}
         self.input_batch = SimpleNamespace(req_id_to_index={})
-        attach_selector(self, selector)
+        state_of(self).selector = selector
 
 
 _fake_runner = _FakeRunner

@@ -27,13 +27,13 @@ from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.config import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
-from vllm_hybridspec.engine.length.capture import RoundCapture, attach_capture
+from vllm_hybridspec.engine.length.capture import RoundCapture
 from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.gate import sync_scheduler
 from vllm_hybridspec.engine.length.selector import BudgetCache, LengthSelector, draft_signals, remaining_budget
-from vllm_hybridspec.engine.length.trimming import attach_selector
 from vllm_hybridspec.engine.options import hybridspec_options
 from vllm_hybridspec.engine.replay.config import replay_options
+from vllm_hybridspec.engine.runner_state import state_of
 
 
 class RunnerDFlashProposer(DFlashProposer):
@@ -65,7 +65,7 @@ class RunnerDFlashProposer(DFlashProposer):
                 options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs,
                 verifies_every_draft=on_vllm_gdn_path(vllm_config))
             if runner is not None:
-                attach_selector(runner, self.length_selector)
+                state_of(runner).selector = self.length_selector
                 attach_cut(runner)
                 self.length_selector.on_configure = lambda sel: sync_scheduler(vllm_config, sel)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
@@ -74,7 +74,7 @@ class RunnerDFlashProposer(DFlashProposer):
         if options is not None and options.capture is not None:
             self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
             if runner is not None:
-                attach_capture(runner, self.round_capture)
+                state_of(runner).capture = self.round_capture
 
     def _records_signals(self) -> bool:
         wanted = self.round_capture is not None or (self.length_selector is not None and self.length_selector.trims)

@@ -32,12 +32,13 @@ recomputed from its tokens when it resumes; a finished one's slot goes to anothe
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from vllm_hybridspec.engine.runner_state import existing_state, state_of, state_of_context
 
 logger = logging.getLogger(__name__)
 
@@ -246,14 +247,14 @@ class PendingRounds:
 
     # --- after sampling, on the device --------------------------------------------------------------
 
-    def sampled(self, output_token_ids: torch.Tensor) -> None:
-        """``output_token_ids`` ``[N, max_spec_len + 1]`` (-1 after each row's accepted tokens): each
-        verified row's ``m`` (accepted drafts + 1; a one-token round commits its token whatever the
-        sampler did with it) into ``m_of_slab``. Rows without a round write the scratch slab."""
-        n = output_token_ids.shape[0]
+    def sampled(self, counts: torch.Tensor) -> None:
+        """``counts`` ``[N]`` int32 on the device: the tokens each row of the step's output kept (accepted
+        drafts + 1; vLLM's ``GPUModelRunner.num_accepted_tokens``, counted once per step): each verified
+        row's ``m`` (a one-token round commits its token whatever the sampler did with it) into
+        ``m_of_slab``. Rows without a round write the scratch slab."""
+        n = counts.shape[0]
         if n == 0 or not self.step.rows:  # no round this step (a gated step, prefills): nothing to commit
             return
-        counts = (output_token_ids != -1).sum(dim=1, dtype=torch.int32)
         m = torch.where(self.plan_dev[ROW_SINGLE, :n] > 0, 1, counts)
         self.m_of_slab.index_copy_(0, self.plan_dev[ROW_SLAB, :n].long(), m)
 
@@ -262,20 +263,17 @@ class PendingRounds:
         self._reset_plan()
 
 
-_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> PendingRounds
-_BY_CONTEXT: dict[int, PendingRounds] = {}  # id(static forward context) -> PendingRounds
-
-
 def pending_rounds_of(context: dict) -> PendingRounds | None:
     """The :class:`PendingRounds` of the runner whose static forward context (the dict vLLM hands the
-    layers as ``ForwardContext.no_compile_layers``) is ``context``."""
-    return _BY_CONTEXT.get(id(context))
+    layers as ``ForwardContext.no_compile_layers``) is ``context`` (``RunnerState.rounds``)."""
+    state = state_of_context(context)
+    return None if state is None else state.rounds
 
 
 def attach(runner, rounds: PendingRounds) -> None:
-    _ROUNDS[runner] = rounds
-    _BY_CONTEXT[id(runner.compilation_config.static_forward_context)] = rounds
+    state_of(runner).rounds = rounds
 
 
 def rounds_of(runner) -> PendingRounds | None:
-    return _ROUNDS.get(runner)
+    state = existing_state(runner)
+    return None if state is None else state.rounds

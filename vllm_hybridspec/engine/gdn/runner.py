@@ -113,13 +113,16 @@ def clean_plan_before_dummy_run(runner) -> None:
 
 
 def committed_counts_after_sampling(runner, output_token_ids, scheduler_output) -> None:
-    """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``)."""
+    """The after-sampling hook: each verified row's ``m`` on the device (``PendingRounds.sampled``), from
+    the rows' kept-token counts that vLLM's ``_update_states_after_model_execute`` has just written to
+    ``runner.num_accepted_tokens.gpu`` (it does so for every hybrid model with a speculative config, the
+    only engines with one-slot rounds)."""
     rounds = rounds_of(runner)
     if rounds is not None:
         if any_check_enabled():  # the self-check's hooks (engine/gdn/check.py); off when serving
             check_recorded_steps([layer for layers in rounds.groups.values() for layer in layers])
             log_sampled(rounds, output_token_ids)
-        rounds.sampled(output_token_ids)
+        rounds.sampled(runner.num_accepted_tokens.gpu[: output_token_ids.shape[0]])
 
 
 def piecewise_spec_steps(vllm_config) -> bool:

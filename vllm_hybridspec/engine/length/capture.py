@@ -27,19 +27,13 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from pathlib import Path
 
 import torch
 
+from vllm_hybridspec.engine.runner_state import existing_state
+
 logger = logging.getLogger(__name__)
-
-_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its RoundCapture
-
-
-def attach_capture(runner, capture: RoundCapture) -> None:
-    """Make ``capture`` the one :func:`capture_after_sampling` feeds for ``runner`` (its proposer calls this)."""
-    _CAPTURES[runner] = capture
 
 
 class RoundCapture:
@@ -97,7 +91,8 @@ class RoundCapture:
 
 def capture_after_sampling(runner, output_token_ids: torch.Tensor, scheduler_output) -> None:
     """The runner hook (``engine.compat.patch_runner_after_sampling``)."""
-    capture = _CAPTURES.get(runner)
+    state = existing_state(runner)
+    capture = None if state is None else state.capture
     if capture is not None:
         capture.sampled(runner, output_token_ids, scheduler_output)
 

@@ -31,8 +31,6 @@ on the drafts before the bonus: penalties, bad words, a thinking budget. Rows wi
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import torch
 
@@ -41,6 +39,7 @@ from vllm_hybridspec.engine.compat import (
     patch_runner_before_dummy_run,
     wrap_once,
 )
+from vllm_hybridspec.engine.runner_state import existing_state, state_of, state_of_forward
 from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
@@ -119,35 +118,26 @@ def cuts_nothing(sampling_metadata) -> bool:
 
 # --- per runner ------------------------------------------------------------------------------------
 
-_CUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> StepCut
-_BY_CONTEXT: dict[int, StepCut] = {}  # id(static forward context) -> StepCut, dropped with the runner
-
 
 def attach_cut(runner) -> StepCut:
-    """The runner's :class:`StepCut`, made at the first call (the proposer makes it at construction,
-    before vLLM captures any graph)."""
-    cut = _CUTS.get(runner)
-    if cut is None:
+    """The runner's :class:`StepCut` (``RunnerState.cut``), made at the first call (the proposer makes it
+    at construction, before vLLM captures any graph)."""
+    state = state_of(runner)
+    if state.cut is None:
         device = torch.device(runner.device)
-        cut = _CUTS[runner] = StepCut(runner.max_num_reqs, runner.max_num_tokens, device, device.type == "cuda")
-        key = id(runner.compilation_config.static_forward_context)
-        _BY_CONTEXT[key] = cut
-        weakref.finalize(runner, _BY_CONTEXT.pop, key, None)
-    return cut
+        state.cut = StepCut(runner.max_num_reqs, runner.max_num_tokens, device, device.type == "cuda")
+    return state.cut
 
 
 def cut_of(runner) -> StepCut | None:
-    return _CUTS.get(runner)
+    state = existing_state(runner)
+    return None if state is None else state.cut
 
 
 def cut_of_forward() -> StepCut | None:
-    """The :class:`StepCut` of the runner whose forward is running (``vllm.forward_context``: its
-    ``no_compile_layers`` is the runner's static forward context)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    return _BY_CONTEXT.get(id(get_forward_context().no_compile_layers))
+    """The :class:`StepCut` of the runner whose forward is running (``runner_state.state_of_forward``)."""
+    state = state_of_forward()
+    return None if state is None else state.cut
 
 
 def one_token_per_request() -> bool:
@@ -162,12 +152,11 @@ def one_token_per_request() -> bool:
 
 def plan_step_cut(runner, scheduler_output) -> None:
     """After ``_prepare_inputs``: this step's cut, or none."""
-    from vllm_hybridspec.engine.length.trimming import selector_of
-
-    cut = _CUTS.get(runner)
+    state = existing_state(runner)
+    cut = None if state is None else state.cut
     if cut is None:
         return
-    selector = selector_of(runner)
+    selector = state.selector
     found = None if selector is None else selector.selected(runner._draft_token_ids)
     n = runner.input_batch.num_reqs
     if (found is None or not scheduler_output.scheduled_spec_decode_tokens
@@ -182,7 +171,7 @@ def plan_step_cut(runner, scheduler_output) -> None:
 
 def sample_with_cut(runner, original, logits, spec_decode_metadata):
     """``GPUModelRunner._sample`` with the step's cut (the module docstring, "Sampling")."""
-    cut = _CUTS.get(runner)
+    cut = cut_of(runner)
     if cut is None or not cut.active or spec_decode_metadata is None:
         return original(runner, logits, spec_decode_metadata)
     n = runner.input_batch.num_reqs
@@ -218,7 +207,7 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
 
 
 def reset_before_dummy_run(runner) -> None:
-    cut = _CUTS.get(runner)
+    cut = cut_of(runner)
     if cut is not None:
         cut.reset()
 

@@ -10,25 +10,18 @@ device (``cut.py``). Every wrapper passes through unchanged for a runner without
 
 from __future__ import annotations
 
-import weakref
-
 from vllm_hybridspec.engine.compat import wrap_once
-
-_SELECTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> its LengthSelector
-
-
-def attach_selector(runner, selector) -> None:
-    """Make ``selector`` the one the runner patches consult for ``runner`` (its proposer calls this)."""
-    _SELECTORS[runner] = selector
+from vllm_hybridspec.engine.runner_state import existing_state
 
 
 def selector_of(runner):
-    """The length selector attached to ``runner``, or ``None``."""
-    return _SELECTORS.get(runner)
+    """The runner's length selector (``RunnerState.selector``, set by its proposer), or ``None``."""
+    state = existing_state(runner)
+    return None if state is None else state.selector
 
 
 def _length_selector(runner):
-    selector = _SELECTORS.get(runner)
+    selector = selector_of(runner)
     return selector if selector is not None and selector.active else None
 
 
