@@ -27,16 +27,16 @@ def random_plan(gen):
     qsl = torch.zeros(n + 1, dtype=torch.int32)
     qsl[1:] = lens.cumsum(0)
     n_prev = int(torch.randint(1, 50, (), generator=gen))
-    num_valid = torch.randint(0, 16, (n_prev,), generator=gen, dtype=torch.int32)
+    w_prev = torch.randint(1, 17, (n_prev,), generator=gen, dtype=torch.int32)  # selected lengths
     prev_row = torch.randint(-1, n_prev, (n,), generator=gen)  # -1: a row that keeps every token
     T = int(qsl[-1]) + int(torch.randint(0, 300, (), generator=gen))  # the buffers' padding past the step
-    return num_valid, prev_row, qsl, n, T
+    return w_prev, prev_row, qsl, n, T
 
 
-def run(fn, num_valid, prev_row, qsl, n, T):
+def run(fn, w_prev, prev_row, qsl, n, T):
     w = torch.full((64,), 7, dtype=torch.int32)  # rows past n keep what they held
     source = torch.full((T,), -5, dtype=torch.int64)
-    fn(num_valid, prev_row, qsl, n, w, source, NO_CUT)
+    fn(w_prev, prev_row, qsl, n, w, source, NO_CUT)
     return w, source
 
 
@@ -55,13 +55,13 @@ def test_one_launch_plan_equals_the_torch_plan(draw):
 
 def test_the_comparison_rejects_a_plan_keeping_one_token_more():
     gen = torch.Generator().manual_seed(fresh_seed("cut plan kernel control"))
-    num_valid, prev_row, qsl, n, T = random_plan(gen)
+    w_prev, prev_row, qsl, n, T = random_plan(gen)
     prev_row[0] = 0
-    num_valid[0] = 0  # row 0 verifies no draft: a token of it is cut whenever it has two or more
+    w_prev[0] = 1  # row 0 verifies no draft: a token of it is cut whenever it has two or more
     qsl[1:] += 1  # every row one token longer
     qsl[0] = 0
-    w_ref, source_ref = run(plan_cut_torch, num_valid, prev_row, qsl, n, T)
-    w, source = run(plan_cut, num_valid + 1, prev_row, qsl, n, T)  # planted: one more draft verified
+    w_ref, source_ref = run(plan_cut_torch, w_prev, prev_row, qsl, n, T)
+    w, source = run(plan_cut, w_prev + 1, prev_row, qsl, n, T)  # planted: one more draft verified
     assert not torch.equal(source, source_ref) and not torch.equal(w, w_ref)
 
 

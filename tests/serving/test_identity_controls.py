@@ -149,8 +149,8 @@ def plant_router_cuts_one_too_many(monkeypatch) -> None:
 
     plan = cut_module.plan_cut_torch
 
-    def plan_one_short(num_valid, prev_row, qsl, n, w_out, source_out, no_cut):
-        plan(num_valid, prev_row, qsl, n, w_out, source_out, no_cut)
+    def plan_one_short(w_prev, prev_row, qsl, n, w_out, source_out, no_cut):
+        plan(w_prev, prev_row, qsl, n, w_out, source_out, no_cut)
         route_tokens_torch(qsl, n, (w_out - 1).clamp(min=1), source_out)
 
     monkeypatch.setattr(cut_module, "plan_cut_torch", plan_one_short)

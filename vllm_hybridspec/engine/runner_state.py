@@ -13,7 +13,8 @@ key); its forward-context entry is dropped with it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class RunnerState:
     cut: StepCut | None = None  # the step's device-side cut (engine/length/cut.py), made with the selector
     capture: RoundCapture | None = None  # calibration capture (engine/length/capture.py)
     rounds: PendingRounds | None = None  # the one-slot GDN layer's rounds (engine/gdn/pending.py)
+    # served steps per (w or "mixed", requests, graph mode) (engine/length/graphs.py: graph_mode_counts)
+    graph_modes: Counter = field(default_factory=Counter)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model runner -> RunnerState

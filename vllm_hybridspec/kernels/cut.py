@@ -17,15 +17,15 @@ BLOCK_T = 256  # tokens per program
 
 
 @triton.jit
-def _plan_cut_kernel(num_valid, prev_row, qsl, w_out, source_out, n, T, NO_CUT: tl.constexpr,
+def _plan_cut_kernel(w_prev, prev_row, qsl, w_out, source_out, n, T, NO_CUT: tl.constexpr,
                      BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     o = pid * BLOCK + tl.arange(0, BLOCK)
-    # rows: w = num_valid[prev] + 1 for a row verifying the previous round's drafts, else NO_CUT
+    # rows: w = w_prev[prev] for a row verifying the previous round's drafts, else NO_CUT
     m_r = o < n
     prev = tl.load(prev_row + o, mask=m_r, other=-1)
-    nv = tl.load(num_valid + tl.maximum(prev, 0), mask=m_r & (prev >= 0), other=0)
-    tl.store(w_out + o, tl.where(prev >= 0, nv + 1, NO_CUT).to(tl.int32), mask=m_r)
+    w_r = tl.load(w_prev + tl.maximum(prev, 0), mask=m_r & (prev >= 0), other=0)
+    tl.store(w_out + o, tl.where(prev >= 0, w_r, NO_CUT).to(tl.int32), mask=m_r)
     # tokens: the row of token t is the number of row ends at or before it (clamped to the last row)
     m_t = o < T
     row = tl.zeros([BLOCK], tl.int32)
@@ -36,30 +36,29 @@ def _plan_cut_kernel(num_valid, prev_row, qsl, w_out, source_out, n, T, NO_CUT: 
     start = tl.load(qsl + row, mask=m_t, other=0)
     last = tl.load(qsl + n)
     prev_t = tl.load(prev_row + row, mask=m_t, other=-1)
-    w_t = tl.where(prev_t >= 0, tl.load(num_valid + tl.maximum(prev_t, 0), mask=m_t & (prev_t >= 0), other=0) + 1,
-                   NO_CUT)
+    w_t = tl.where(prev_t >= 0, tl.load(w_prev + tl.maximum(prev_t, 0), mask=m_t & (prev_t >= 0), other=0), NO_CUT)
     keep = (o - start < w_t) | (o >= last)
     tl.store(source_out + o, tl.where(keep, o, start).to(tl.int64), mask=m_t)
 
 
-def plan_cut(num_valid: torch.Tensor, prev_row: torch.Tensor, qsl: torch.Tensor, n: int, w_out: torch.Tensor,
+def plan_cut(w_prev: torch.Tensor, prev_row: torch.Tensor, qsl: torch.Tensor, n: int, w_out: torch.Tensor,
              source_out: torch.Tensor, no_cut: int) -> None:
     """Fill ``w_out[:n]`` and ``source_out`` (every entry) in one launch.
 
-    ``num_valid`` ``[N_prev]`` int: drafts to verify per row of the previous round; ``prev_row`` ``[n]``
+    ``w_prev`` ``[N_prev]`` int: the selected length of each row of the previous round; ``prev_row`` ``[n]``
     int64: each row's row in that round, ``-1`` for a row that keeps every token (``w = no_cut``);
     ``qsl`` ``[n + 1]`` int: the step's token offsets. ``source_out[t]`` is ``t`` while ``t`` lies
     below its row's start plus ``w``, or past the step's last token, and the row's first token
     otherwise. Capturable in a CUDA graph (no host reads)."""
     T = source_out.shape[0]
     grid = (triton.cdiv(max(T, n, 1), BLOCK_T),)
-    _plan_cut_kernel[grid](num_valid, prev_row, qsl, w_out, source_out, n, T, NO_CUT=no_cut, BLOCK=BLOCK_T)
+    _plan_cut_kernel[grid](w_prev, prev_row, qsl, w_out, source_out, n, T, NO_CUT=no_cut, BLOCK=BLOCK_T)
 
 
-def plan_cut_torch(num_valid: torch.Tensor, prev_row: torch.Tensor, qsl: torch.Tensor, n: int,
+def plan_cut_torch(w_prev: torch.Tensor, prev_row: torch.Tensor, qsl: torch.Tensor, n: int,
                    w_out: torch.Tensor, source_out: torch.Tensor, no_cut: int) -> None:
     """:func:`plan_cut` as torch ops."""
-    w = num_valid.index_select(0, prev_row.clamp(min=0)).to(torch.int32) + 1
+    w = w_prev.index_select(0, prev_row.clamp(min=0)).to(torch.int32)
     w_out[:n] = torch.where(prev_row >= 0, w, no_cut)
     route_tokens_torch(qsl, n, w_out, source_out)
 

@@ -201,11 +201,11 @@ def test_fixed_length_selection_counts(fixed):
     w_rem = torch.tensor([1, 2, 5, 8, 8], dtype=torch.int64)
     drafts = torch.zeros(5, K, dtype=torch.int64)
     ids = list("abcde")
-    num_valid = sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
-    want = torch.minimum(torch.full_like(w_rem, fixed), w_rem) - 1
-    assert num_valid.dtype == torch.int32 and num_valid.tolist() == want.tolist()
+    w = sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
+    want = torch.minimum(torch.full_like(w_rem, fixed), w_rem)
+    assert w.dtype == torch.int32 and w.tolist() == want.tolist()
     sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
     counts = torch.zeros(K + 2, dtype=torch.int64)
-    counts.index_add_(0, want + 1, torch.full_like(want, 2))
+    counts.index_add_(0, want, torch.full_like(want, 2))
     assert sel.length_counts.tolist() == counts.tolist()
 

@@ -107,7 +107,7 @@ def test_plan_gathers_each_rows_length_by_request_id():
     gen = torch.Generator().manual_seed(fresh_seed("cut plan"))
     k = 7
     prev_ids = ["a", "b", "c", "d", "e"]
-    num_valid = torch.randint(0, k + 1, (5,), generator=gen, dtype=torch.int32)
+    w_prev = torch.randint(1, k + 2, (5,), generator=gen, dtype=torch.int32)
     req_ids = ["d", "a", "new", "e", "c"]
     spec_rows = np.array([True, True, False, True, False])
     n = len(req_ids)
@@ -115,13 +115,13 @@ def test_plan_gathers_each_rows_length_by_request_id():
     qsl = torch.zeros(n + 1, dtype=torch.int32)
     qsl[1:] = lens.cumsum(0)
     cut = StepCut(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"), pin=False)
-    cut.plan(num_valid, {r: i for i, r in enumerate(prev_ids)}, req_ids, spec_rows, qsl)
-    nv = dict(zip(prev_ids, num_valid.tolist()))
-    assert cut.w[:n].tolist() == [nv["d"] + 1, nv["a"] + 1, NO_CUT, nv["e"] + 1, NO_CUT]
+    cut.plan(w_prev, {r: i for i, r in enumerate(prev_ids)}, req_ids, spec_rows, qsl)
+    w = dict(zip(prev_ids, w_prev.tolist()))
+    assert cut.w[:n].tolist() == [w["d"], w["a"], NO_CUT, w["e"], NO_CUT]
     assert cut.active and cut.steps_cut == 1
     route_tokens_torch(qsl, n, cut.w, cut.source)
     assert int((cut.source[: int(qsl[-1])] != torch.arange(int(qsl[-1]))).sum()) == sum(
-        k + 1 - (nv[r] + 1) for r in ("d", "a", "e"))
+        k + 1 - w[r] for r in ("d", "a", "e"))
 
 
 def test_penalties_bad_words_and_thinking_budgets_turn_the_cut_off():

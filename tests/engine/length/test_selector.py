@@ -53,18 +53,18 @@ def test_selected_counts_are_the_policy_lengths_capped_by_the_budget(tmp_path, g
     w_rem = torch.randint(1, K + 2, (n,), generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
     req_ids = [f"r{i}" for i in range(n)]
-    counts = selector.select(drafts, conf, ent, w_rem, req_ids)
+    w = selector.select(drafts, conf, ent, w_rem, req_ids)
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
-    assert counts.dtype == torch.int32 and torch.equal(counts.long(), torch.minimum(w0, w_rem) - 1)
+    assert w.dtype == torch.int32 and torch.equal(w.long(), torch.minimum(w0, w_rem))
     assert len(set(w0.tolist())) >= 3  # the confidences spread the lengths
-    num_valid, rows = selector.selected(drafts)
-    assert num_valid is counts and rows == {r: i for i, r in enumerate(req_ids)}
+    selected, rows = selector.selected(drafts)
+    assert selected is w and rows == {r: i for i, r in enumerate(req_ids)}
     assert selector.selected(drafts.clone()) is None  # another tensor: not ours to cut
     assert not selector.gated_step(drafts)
     stats = selector.stats()
     assert sum(stats["rows_at_length"].values()) == n and stats["steps"] == 1
-    assert stats["rows_at_length"] == {w: int((counts + 1 == w).sum()) for w in range(1, K + 2)
-                                       if int((counts + 1 == w).sum())}
+    assert stats["rows_at_length"] == {length: int((w == length).sum()) for length in range(1, K + 2)
+                                       if int((w == length).sum())}
 
 
 def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, gen):
@@ -73,18 +73,18 @@ def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, g
     n = 6  # no costs for 6: those of 4, the largest calibrated size below
     w_rem = torch.full((n,), K + 1)
     w_rem[0] = 2
-    counts = selector.select(torch.zeros(n, K, dtype=torch.long), torch.rand(n, K, generator=gen),
-                             torch.rand(n, K, generator=gen), w_rem, list("abcdef"))
-    shared = int(counts[1]) + 1
-    assert shared in (1, 4, 8) and (counts[1:] + 1 == shared).all() and int(counts[0]) == min(shared, 2) - 1
+    w = selector.select(torch.zeros(n, K, dtype=torch.long), torch.rand(n, K, generator=gen),
+                        torch.rand(n, K, generator=gen), w_rem, list("abcdef"))
+    shared = int(w[1])
+    assert shared in (1, 4, 8) and (w[1:] == shared).all() and int(w[0]) == min(shared, 2)
 
 
 def test_fixed_length_and_gate(tmp_path, gen):
     selector = LengthSelector(HybridSpecOptions(fixed_length=5), K, torch.device("cpu"), max_num_reqs=8)
     w_rem = torch.tensor([1, 3, 5, 8])
-    counts = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem,
-                             list("abcd"))
-    assert counts.tolist() == [0, 2, 4, 4] and selector.speculate(1000)  # no policy: no gate
+    w = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem,
+                        list("abcd"))
+    assert w.tolist() == [1, 3, 5, 5] and selector.speculate(1000)  # no policy: no gate
     gated = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: True, 8: False})), K,
                            torch.device("cpu"), max_num_reqs=16)
     assert [gated.speculate(b) for b in (1, 7, 8, 16)] == [True, True, False, False]
@@ -124,17 +124,17 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     ids = [f"r{i}" for i in range(n)]
 
     selector.configure(fixed_length=3)
-    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [2] * n
+    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [3] * n
     selector.configure(drafting=False)
     assert selector.active and not selector.speculate(1) and not selector.speculate(64)
     selector.configure(policy=path)
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
-    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).long(), w0 - 1)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).long(), w0)
     assert selector.speculate(2) and not selector.speculate(4)  # the policy's gate
     selector.configure(policy=path, gate=False)
     assert selector.speculate(4)
     selector.configure()
-    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [K] * n and selector.speculate(4)
+    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [K + 1] * n and selector.speculate(4)
     # trim=False: every draft verified without the selector (inactive: the runner patches pass through)
     selector.configure(trim=False)
     assert not selector.active and not selector.trims and selector.speculate(4)
@@ -175,7 +175,7 @@ def test_configure_refuses_trimmed_lengths_when_the_gdn_layers_run_vllms_own_pat
     n = 5
     conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
-    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1), list("abcde")).tolist() == [K] * n
+    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1), list("abcde")).tolist() == [K + 1] * n
     selector.configure(fixed_length=K + 1)
     selector.configure(drafting=False)
     assert not selector.speculate(1)

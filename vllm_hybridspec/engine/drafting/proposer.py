@@ -106,27 +106,33 @@ class RunnerDFlashProposer(DFlashProposer):
             num_speculative_tokens, target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, cad, sampling_metadata, mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings)
-        capture = self.round_capture
-        w_rem = None  # [N], computed once for the capture and the selector
-        if capture is not None:
-            if drafts.shape[1] == 0 or self._signals is None:
-                capture.skipped()
-            else:
-                k = drafts.shape[1]
-                top1, ent = (x.view(-1, k)[:N] for x in self._signals)
-                w_rem = remaining_budget(self.runner, prefix_lens, k, self._budget)
-                capture.drafted(self.runner, top1, ent, w_rem)
-        if selector is None or drafts.shape[1] == 0:
-            return drafts
-        if not selector.speculate(N):
+        k = drafts.shape[1]
+        signals = None
+        if k > 0 and self._signals is not None:
+            signals = tuple(x.view(-1, k)[:N] for x in self._signals)  # [N, K] top-1 prob, entropy
+        if selector is not None and k > 0 and not selector.speculate(N):  # the gate, decided after the round
+            self._after_round(drafts, signals, prefix_lens, select=False)
             return selector.gated(drafts)
-        if selector.trims and self._signals is not None:
-            k = drafts.shape[1]
-            top1, ent = (x.view(-1, k)[:N] for x in self._signals)  # [N, K]
-            if w_rem is None:
-                w_rem = remaining_budget(self.runner, prefix_lens, k, self._budget)
-            selector.select(drafts, top1, ent, w_rem, self.runner.input_batch.req_ids)
+        self._after_round(drafts, signals, prefix_lens)
         return drafts
+
+    def _after_round(self, drafts: torch.Tensor, signals: tuple[torch.Tensor, torch.Tensor] | None,
+                     prefix_lens: torch.Tensor, select: bool = True) -> None:
+        """What every drafting round ends with, for vLLM's DFlash drafter and H-Spec alike: the round's
+        drafts ``[N, K]`` and their signals (top-1 probability and entropy ``[N, K]``, or ``None`` where
+        the round has none) go to the calibration capture and, with ``select``, to the length selector;
+        the requests' remaining budgets are computed once for both."""
+        capture, selector = self.round_capture, self.length_selector
+        if capture is not None and signals is None:
+            capture.skipped()
+        selects = select and selector is not None and selector.trims and signals is not None
+        if signals is None or (capture is None and not selects):
+            return
+        w_rem = remaining_budget(self.runner, prefix_lens, drafts.shape[1], self._budget)  # [N]
+        if capture is not None:
+            capture.drafted(self.runner, *signals, w_rem)
+        if selects:
+            selector.select(drafts, *signals, w_rem, self.runner.input_batch.req_ids)
 
 
 def spread_drafts(block: DraftBlock, anchors: torch.Tensor, vocab_size: int) -> DraftBlock:
@@ -237,13 +243,7 @@ class HSpecProposer(RunnerDFlashProposer):
         if self.spread_drafts:
             block = spread_drafts(block, next_token_ids[:N], self.vllm_config.model_config.get_vocab_size())
         self.last_draft = block
-        w_rem = None  # [N], computed once for the capture and the selector
-        if self.round_capture is not None or (selector is not None and selector.trims):
-            w_rem = remaining_budget(self.runner, prefix_lens, num_speculative_tokens, self._budget)
-        if self.round_capture is not None:
-            self.round_capture.drafted(self.runner, block.top1_prob, block.entropy, w_rem)
-        if selector is not None and selector.trims:
-            selector.select(block.tokens, block.top1_prob, block.entropy, w_rem, self.runner.input_batch.req_ids)
+        self._after_round(block.tokens, (block.top1_prob, block.entropy), prefix_lens)
         return block.tokens
 
     def _draft_block(self, block: DraftBlock, anchors: torch.Tensor, prefix_lens: torch.Tensor) -> DraftBlock:

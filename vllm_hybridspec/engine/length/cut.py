@@ -66,9 +66,9 @@ class StepCut:
         self.source.copy_(self._tokens)
         self.active = False
 
-    def plan(self, num_valid: torch.Tensor, prev_rows: dict[str, int], req_ids: list[str],
+    def plan(self, w_prev: torch.Tensor, prev_rows: dict[str, int], req_ids: list[str],
              spec_rows: np.ndarray, query_start_loc: torch.Tensor) -> None:
-        """``num_valid`` ``[N_prev]`` (device): drafts to verify per row of the previous round, whose
+        """``w_prev`` ``[N_prev]`` (device): the selected length of each row of the previous round, whose
         request ids map to rows by ``prev_rows``; ``req_ids``: this step's rows; ``spec_rows`` ``[N]``
         bool: rows that verify drafts this step; ``query_start_loc`` ``[N + 1]`` (device): the step's
         token offsets. Fills ``w`` and ``source`` on the device, without a host read."""
@@ -77,7 +77,7 @@ class StepCut:
         prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
         self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
         plan = plan_cut if self.w.is_cuda else plan_cut_torch  # one launch on GPUs
-        plan(num_valid, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
+        plan(w_prev, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
         self.active = True
         self.steps_cut += 1
 
@@ -164,9 +164,9 @@ def plan_step_cut(runner, scheduler_output) -> None:
         if cut.active:
             cut.reset()
         return
-    num_valid, prev_rows = found
+    w_prev, prev_rows = found
     spec_rows = runner.num_decode_draft_tokens.np[:n] > 0  # decode rows with drafts (others keep every token)
-    cut.plan(num_valid, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1])
+    cut.plan(w_prev, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1])
 
 
 def sample_with_cut(runner, original, logits, spec_decode_metadata):

@@ -26,9 +26,8 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, ``vllm/v1/cud
 
 from __future__ import annotations
 
-from collections import Counter
-
 from vllm_hybridspec.engine.compat import wrap_once
+from vllm_hybridspec.engine.runner_state import existing_state, state_of
 
 # batch sizes that get a graph at every extra length (as far as max_num_seqs and vLLM's largest
 # capture size allow): dense where batches are small, coarser above
@@ -158,8 +157,7 @@ def _uniform_per_length(original):
             result = original(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens,
                               *args, **kwargs)
         if forced is None:  # a served step, not a dummy run: count the mode it runs in
-            counts = self.__dict__.setdefault("hspec_graph_modes", Counter())
-            counts[(w if uniform else "mixed", num_reqs, result[0].name)] += 1
+            state_of(self).graph_modes[(w if uniform else "mixed", num_reqs, result[0].name)] += 1
         return result
 
     return _determine_batch_execution_and_padding
@@ -167,7 +165,8 @@ def _uniform_per_length(original):
 
 def graph_mode_counts(runner) -> dict[str, int]:
     """Served steps per ``"w=<length or mixed> B=<requests> <FULL|PIECEWISE|NONE>"`` since the runner started."""
-    counts = getattr(runner, "hspec_graph_modes", None) or {}
+    state = existing_state(runner)
+    counts = state.graph_modes if state is not None else {}
     return {f"w={w} B={b} {mode}": n for (w, b, mode), n in sorted(counts.items(), key=str)}
 
 

@@ -41,8 +41,8 @@ class LengthSelector:
         self.gated_steps = 0
         self.on_configure = None  # called with the selector after configure (gate.sync_scheduler)
         self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
-        self.num_valid: torch.Tensor | None = None  # [N] int32 drafts to verify, on device
-        self.rows: dict[str, int] = {}  # request id -> its row of drafts and num_valid
+        self.w: torch.Tensor | None = None  # [N] int32 selected lengths (tokens to verify, the first included), on device
+        self.rows: dict[str, int] = {}  # request id -> its row of drafts and w
         self.gated_drafts = False  # the drafts are a gated step's, verified nowhere (known on the host)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
         self._no_drafts: dict[int, torch.Tensor] = {}  # n -> an [n, 0] drafts tensor (no_drafts)
@@ -105,7 +105,7 @@ class LengthSelector:
         """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
         self.steps += 1
         self.gated_steps += 1
-        self.drafts, self.num_valid, self.rows, self.gated_drafts = drafts, None, {}, True
+        self.drafts, self.w, self.rows, self.gated_drafts = drafts, None, {}, True
         return drafts
 
     def no_drafts(self, n: int, device) -> torch.Tensor:
@@ -120,7 +120,8 @@ class LengthSelector:
                w_rem: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
         """drafts, top1_prob, entropy: [N, K] (input-batch rows); w_rem: [N] int64, the most tokens
         a round may still produce for each request (>= 1); ``req_ids``: the requests of the ``N`` rows.
-        Returns ``num_valid`` [N] int32, on the device (nothing is copied to the host)."""
+        Returns ``w`` [N] int32, the selected lengths (tokens to verify per row, the first included), on
+        the device (nothing is copied to the host)."""
         n, k = drafts.shape
         self.steps += 1
         if self.options.fixed_length is not None:
@@ -136,25 +137,24 @@ class LengthSelector:
         else:
             _, w0, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
             w = torch.minimum(w0, w_rem)
-        num_valid = (w - 1).to(torch.int32)  # [N]
+        w = w.to(torch.int32)  # [N]
         if self.options.tp_broadcast:
             from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
 
-            num_valid = broadcast_from_tp_rank0(num_valid)
-        # length_counts[num_valid + 1] += 1, indexing the view from 1 with num_valid as it is
-        self.length_counts[1:].index_add_(0, num_valid, self._ones[:n])
-        self.drafts, self.num_valid, self.gated_drafts = drafts, num_valid, False
+            w = broadcast_from_tp_rank0(w)
+        self.length_counts.index_add_(0, w, self._ones[:n])  # length_counts[w] += 1
+        self.drafts, self.w, self.gated_drafts = drafts, w, False
         self.rows = {r: i for i, r in enumerate(req_ids[:n])}
-        return num_valid
+        return w
 
     # --- read by the runner patches ----------------------------------------------------------------
 
     def selected(self, drafts) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """``(num_valid [N] on the device, request id -> row)`` when ``drafts`` is the tensor this
+        """``(w [N] on the device, request id -> row)`` when ``drafts`` is the tensor this
         selector last selected lengths for (``cut.py`` gathers them for the step that verifies it)."""
-        if drafts is None or drafts is not self.drafts or self.num_valid is None:
+        if drafts is None or drafts is not self.drafts or self.w is None:
             return None
-        return self.num_valid, self.rows
+        return self.w, self.rows
 
     def gated_step(self, drafts) -> bool:
         """Whether ``drafts`` is the tensor of a gated step with drafts to take out of what vLLM

@@ -59,8 +59,8 @@ class ReplayHSpecProposer(HSpecProposer):
             return drafts
         selector = self.length_selector
         kept = None
-        if selector is not None and selector.drafts is drafts and selector.num_valid is not None:
-            kept = selector.num_valid  # [N] the drafts the selector left to verify
+        if selector is not None and selector.drafts is drafts and selector.w is not None:
+            kept = selector.w - 1  # [N] the drafts the selector left to verify
         self.last_accepted, self.last_verified = self.lookup.count(replay, kept)
         return drafts
 
