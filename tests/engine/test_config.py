@@ -201,7 +201,7 @@ def test_missing_or_damaged_weights_are_fine_with_dummy_weights(target, drafter)
         ({"gdn_kernel": "false"}, "gdn_kernel: Input should be a valid boolean (got 'false')"),
         ({"fixed_length": "8"}, "fixed_length: Input should be a valid integer (got '8')"),
         ({"fixed_length": 2.0}, "fixed_length: Input should be a valid integer (got 2.0)"),
-        ({"gdn_kernal": False}, ("gdn_kernal: unknown key (did you mean 'gdn_kernel'?), valid keys are policy, select, batched, gate, "
+        ({"gdn_kernal": False}, ("gdn_kernal: unknown key (did you mean 'gdn_kernel'?), valid keys are policy, select, batched, routing, gate, "
                                  "gdn_kernel, capture, fixed_length, drafter_cudagraphs, drafter_compile, drafter_fused_norms, drafter_grouped_attention, drafter_candidate_heads, "
                                  "full_graph_lengths, tp_broadcast, full_graph_spec_steps, gdn_fused_conv (got False)")),
     ],
@@ -209,3 +209,26 @@ def test_missing_or_damaged_weights_are_fine_with_dummy_weights(target, drafter)
 def test_hybridspec_options_of_the_wrong_type_or_unknown(target, drafter, options, problem):
     spec = {"method": "hspec", "model": str(drafter), "hybridspec": options}
     assert refusal(target, spec) == f'invalid "hybridspec" options: {problem}'
+
+
+def test_routing_tables_must_fit_the_targets_router(tmp_path):
+    """HybridSpec's routing correction counts new experts among the router's top-k choices: a policy with
+    routing tables needs a target that routes each token to as many experts by a softmax top-k; the
+    refusal names the file and the numbers, and ``"routing": false`` keeps the nominal lengths."""
+    from .length.test_selector import policy_file
+
+    hybrid = SimpleNamespace(hf_config=AutoConfig.from_pretrained(MODELS / "hybrid"))  # 4 of 32 experts
+    dense = SimpleNamespace(hf_config=AutoConfig.from_pretrained(MODELS / "dense"))
+    spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fits = policy_file(tmp_path / "a", routing_topk=4)
+    spec_out, extra = resolve_speculative_config({**spec, "hybridspec": {"policy": fits}}, hybrid)
+    assert extra["hybridspec"]["routing"] is None and spec_out["method"] == "dflash"
+    other = policy_file(tmp_path / "b", routing_topk=8)
+    assert refusal(hybrid, {**spec, "hybridspec": {"policy": other}}) == (
+        f"policy file {other!r} has routing tables for 8 experts per token, but the target routes each token to "
+        'num_experts_per_tok=4; fit the policy for this target, or give "routing": false')
+    resolve_speculative_config({**spec, "hybridspec": {"policy": other, "routing": False}}, hybrid)
+    dense_spec = {"method": "hspec", "model": str(MODELS / "dense-hspec"), "num_speculative_tokens": 7}
+    assert "the target has no mixture-of-experts router" in refusal(dense, {**dense_spec, "hybridspec": {"policy": fits}})

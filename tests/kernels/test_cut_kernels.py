@@ -14,7 +14,9 @@ from vllm_hybridspec.kernels.cut import (
     end_rows_at_cut_torch,
     plan_cut,
     plan_cut_torch,
+    stage0_expand_torch,
 )
+from vllm_hybridspec.policy.selector import new_experts_at
 
 from ..seeds import fresh_seed
 
@@ -100,3 +102,70 @@ def test_bonus_at_cut_and_end_rows_equal_their_torch_forms(n):
     assert not torch.equal(end_rows_at_cut(token_ids, bonus, ref_v + 1, kernel=True), ref)
     planted_idx, _ = bonus_at_cut(cu, w + 1, bonus_idx, torch.zeros((), dtype=torch.int64), kernel=True)
     assert not torch.equal(planted_idx, ref_idx)
+
+
+# --- Stage 0 at the first MoE router: d_{w0} verified too where the routing correction says so -------
+
+
+def random_stage0(gen, k=4, experts=12, K=7):
+    """A step of ``n`` rows padded to ``R`` (zero-length rows after them, as vLLM pads
+    ``query_start_loc``): spec rows of ``K + 1`` tokens cut at ``w0`` in ``1..K + 1``, one-token rows and
+    prefills that are not cut, and an expansion table per row."""
+    n = int(torch.randint(1, 12, (), generator=gen))
+    R = n + int(torch.randint(0, 5, (), generator=gen))
+    kind = torch.randint(0, 4, (n,), generator=gen)  # 0-1: spec row, 2: one token, 3: prefill
+    lens = torch.where(kind < 2, K + 1, torch.where(kind == 2, 1, torch.randint(2, 20, (n,), generator=gen)))
+    qsl = torch.zeros(R + 1, dtype=torch.int32)
+    qsl[1 : n + 1] = lens.cumsum(0)
+    qsl[n + 1 :] = qsl[n]
+    w = torch.full((R + 3,), NO_CUT, dtype=torch.int32)
+    w[:n] = torch.where(kind < 2, torch.randint(1, K + 2, (n,), generator=gen, dtype=torch.int32), NO_CUT)
+    T = int(qsl[-1]) + int(torch.randint(0, 5, (), generator=gen))  # graph padding past the step
+    logits = torch.randn(T, experts, generator=gen)
+    expand = torch.rand(R + 3, k + 1, generator=gen) < 0.5
+    return logits, qsl, w, expand
+
+
+def stage0_reference(logits, qsl, w, expand, include_own=False):
+    """Row by row: ``n_new`` of ``d_{w0}`` by the policy's ``new_experts_at`` on the row's own tokens."""
+    k = expand.shape[1] - 1
+    ids = logits.topk(k, dim=-1).indices
+    out = w.clone()
+    for r in range(qsl.shape[0] - 1):
+        s, e, w0 = int(qsl[r]), int(qsl[r + 1]), int(w[r])
+        if w0 >= NO_CUT or s + w0 >= e:
+            continue
+        if include_own:  # the planted bug: d_{w0} among the tokens before it, so it brings nothing new
+            n_new = k - len(set(ids[s + w0].tolist()) & set(ids[s : s + w0 + 1].flatten().tolist()))
+        else:
+            n_new = int(new_experts_at(ids[s:e][None], torch.tensor([w0]))[0])
+        out[r] = w0 + int(expand[r, n_new])
+    return out
+
+
+@pytest.mark.parametrize("draw", range(4))
+def test_stage0_expands_each_row_as_the_policys_lookup_says(draw):
+    gen = torch.Generator().manual_seed(fresh_seed(f"stage0 {draw}"))
+    grown = kept = 0
+    for _ in range(6):
+        logits, qsl, w, expand = random_stage0(gen)
+        want = stage0_reference(logits, qsl, w, expand)
+        got, counted = w.clone(), torch.zeros((), dtype=torch.int64)
+        stage0_expand_torch(logits, qsl, got, expand, NO_CUT, counted)
+        assert torch.equal(got, want), (got, want)
+        assert int(counted) == int((got != w).sum())  # the rows lengthened, counted on the device
+        grown += int((got != w).sum())
+        kept += int(((w < NO_CUT) & (got == w)).sum())
+    assert grown > 0 and kept > 0  # both outcomes drawn
+
+
+def test_the_stage0_comparison_rejects_counting_d_w0_among_the_tokens_before_it():
+    """Planted: ``d_{w0}``'s own experts counted as already seen, so ``n_new`` is always 0."""
+    gen = torch.Generator().manual_seed(fresh_seed("stage0 control"))
+    differs = 0
+    for _ in range(6):
+        logits, qsl, w, expand = random_stage0(gen)
+        got = w.clone()
+        stage0_expand_torch(logits, qsl, got, expand, NO_CUT)
+        differs += int(not torch.equal(got, stage0_reference(logits, qsl, w, expand, include_own=True)))
+    assert differs > 0

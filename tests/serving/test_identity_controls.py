@@ -180,3 +180,66 @@ def test_a_planted_cut_bug_fails_the_check(models, prompts, plain, async_schedul
     ours = speculative_run(models[0], hspec(models), prompts, async_scheduling=True)
     verdict = caught(ours, plain, f"control: H-Spec, fixed length {FIXED}, async, {bug}", models[0])
     assert verdict.identical < MIN_IDENTICAL
+
+
+# --- HybridSpec's routing correction: Stage 0 at the first MoE router ---------------------------------
+
+
+def routing_policy(path) -> str:
+    """A policy for the controls' drafter (K = 4, the tiny target's 2 of 8 experts per token) whose
+    acceptance estimate follows the draft's top-1 confidence, with target cost ``C(w) = w`` and routing
+    tables under which ``d_{w0}`` is always kept when it brings no new Layer-0 expert, kept above a low
+    estimate with one and above a higher one with two: Stage 0's three answers all occur."""
+    from vllm_hybridspec.policy.acceptance import FEATURES
+    from vllm_hybridspec.policy.policy_file import PolicyFile
+
+    k, slope, midpoint = 4, 15.0, 0.6
+    obj = {"draft_len": k, "min_length": 1,
+           "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
+                          "isotonic": [{"x": [0.0, 1.0], "y": [0.0, 1.0]}] * k,
+                          "coef": [slope, 0.0, 0.0, 0.0, 0.0], "intercept": -slope * midpoint},
+           "cost": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 1.0, 0.0], "fixed": 1.0,
+                    "curve": [float(w) for w in range(1, k + 2)]},
+           "rate": 0.5,
+           "routing": {"s": 0.6, "eta": 0.5, "experts_per_token": 2, "later_layers": False,
+                       "n_all": [1.0] * k, "n_all_given": [[0.0, 1.0, 2.0]] * k}}
+    path.write_text(PolicyFile.model_validate(obj).model_dump_json())
+    return str(path)
+
+
+def routed_run(models, prompts, tmp_path):
+    """Greedy H-Spec with the routing policy: the outputs, the drafts the selector picked (every row at
+    ``w`` counts ``w - 1``) and the drafts the rejection sampler verified after Stage 0."""
+    from vllm_hybridspec.engine.length.cut import cut_of
+
+    spec = {"method": "hspec", "model": models[1], "num_speculative_tokens": 4,
+            "hybridspec": {"gdn_kernel": True, "policy": routing_policy(tmp_path / "routing.json")}}
+    llm = hybrid_llm(models[0], spec)
+    runner = runner_of(llm)
+    assert runner.drafter.length_selector.routes and runner.drafter.length_selector.stage0_ready
+    ours = identity.generate(llm, prompts, MAX_TOKENS)
+    rows = runner.drafter.length_selector.stats()["rows_at_length"]
+    kept = int(cut_of(runner).stage0_kept)
+    print("rows at each selected length:", rows, "| rows Stage 0 lengthened:", kept)
+    del llm
+    return ours, rows, kept
+
+
+def test_routing_correction_verifies_some_drafts_past_the_selected_length_exactly(models, prompts, plain, tmp_path):
+    ours, rows, kept = routed_run(models, prompts, tmp_path)
+    check_hybrid_identity(ours, plain, "routing correction, no bug", models[0])
+    # Stage 0 kept d_{w0} in some rounds and not in others (rows selected at w = K + 1 have none)
+    below_max = sum(n for w, n in rows.items() if w < 5)
+    assert 0 < kept < below_max
+
+
+def test_a_planted_stage0_bug_fails_the_check(models, prompts, plain, tmp_path, monkeypatch):
+    """Planted: Stage 0 lengthens the rows for the sampler but leaves the router's sources as the
+    selector's lengths cut them, so each kept ``d_{w0}`` is verified with its anchor's experts."""
+    from vllm_hybridspec.engine.length import cut as cut_module
+
+    monkeypatch.setattr(cut_module, "route_tokens_torch", lambda *args: None)
+    ours, _, kept = routed_run(models, prompts, tmp_path)
+    assert kept > 0
+    verdict = caught(ours, plain, "control: routing correction, sources not updated", models[0])
+    assert verdict.identical < MIN_IDENTICAL

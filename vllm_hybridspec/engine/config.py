@@ -77,12 +77,41 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_f
         raise ValueError(f'"hybridspec" options need "num_speculative_tokens" >= 1 in the speculative config, got {k!r}')
     options = parse_options(raw_options, k)
     problem = vllm_gdn_path_problem(options, k) if has_gdn_layers(getattr(target_model_config, "hf_config", None)) else None
+    problem = problem or routing_problem(options, getattr(target_model_config, "hf_config", None))
     if problem is not None:
         raise ValueError(problem)
     schedule = scheduler_schedule(options, k)  # the batch gate in vLLM's scheduler (length/gate.py)
     if schedule is not None and spec.get("num_speculative_tokens_per_batch_size") is None:
         spec["num_speculative_tokens_per_batch_size"] = schedule
     return spec, {**extra, ADDITIONAL_CONFIG_KEY: options.model_dump()}
+
+
+def routing_problem(options, target_hf_config) -> str | None:
+    """The error when the options' policy has routing tables (HybridSpec's routing correction, on unless
+    ``"routing": false``) that the target's router cannot use: Stage 0 counts new experts among the
+    router's top-k choices, so the target must route each token to ``experts_per_token`` experts by a
+    softmax top-k, as many as the tables were fitted for."""
+    if options.routing is False or not options.select or options.batched:
+        return None
+    from vllm_hybridspec.policy.policy_file import load_policy
+
+    routing = load_policy(options.policy).routing
+    if routing is None or target_hf_config is None:
+        return None
+    k = routing.experts_per_token
+    cfg = text_config(target_hf_config)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    where = f'policy file {options.policy!r} has routing tables for {k} experts per token'
+    if top_k is None:
+        return f'{where}, but the target has no mixture-of-experts router; give "routing": false or another policy'
+    if top_k != k:
+        return (f"{where}, but the target routes each token to num_experts_per_tok={top_k}; fit the policy for "
+                'this target, or give "routing": false')
+    if getattr(cfg, "scoring_func", "softmax") != "softmax" or (getattr(cfg, "n_group", None) or 1) > 1:
+        return (f"{where}, but the target's router is not a softmax top-k (scoring_func="
+                f"{getattr(cfg, 'scoring_func', None)!r}, n_group={getattr(cfg, 'n_group', None)!r}), whose choices "
+                'Stage 0 counts; give "routing": false')
+    return None
 
 
 def has_gdn_layers(target_hf_config) -> bool:

@@ -32,6 +32,10 @@ class HybridSpecOptions(BaseModel):
         default=None, description="verify only the policy's selected prefix of each draft (default: on "
         "when a policy is given)")
     batched: bool = Field(default=False, description="one shared length per batch (the policy's batched variant)")
+    routing: bool | None = Field(
+        default=None, description="HybridSpec's routing correction: the first MoE layer's router decides whether "
+        "each request's draft after its selected length is verified too, from the new experts it brings "
+        "(default: on when the policy file has a 'routing' section and lengths are selected per request)")
     gate: bool = Field(default=True, description="turn drafting off for steps whose batch size the policy's "
                        "gate table marks as slower than plain decoding")
     gdn_kernel: bool | None = Field(default=None, description="verify GDN layers with the parallel kernel and one "
@@ -79,6 +83,9 @@ class HybridSpecOptions(BaseModel):
             raise ValueError('"fixed_length" forces one length; it cannot be combined with "select"')
         if self.capture is not None and (self.select or self.fixed_length is not None):
             raise ValueError('"capture" verifies every draft token; drop "select"/"fixed_length"')
+        if self.routing and (not self.select or self.batched):
+            raise ValueError('"routing": true corrects lengths selected per request: it needs "policy" (with '
+                             'selection on) and "batched": false')
         return self
 
     def trimming(self, num_speculative_tokens: int) -> tuple[str, str] | None:
@@ -112,6 +119,10 @@ class HybridSpecOptions(BaseModel):
             if self.batched and not policy.batched:
                 raise ValueError(f"hybridspec.batched=True needs a policy file with a 'batched' section (cost "
                                  f"curves per batch size, from a cost file with 'batched'); {self.policy!r} has none")
+            if self.routing and policy.routing is None:
+                raise ValueError(f"hybridspec.routing=True needs a policy file with a 'routing' section (from a cost "
+                                 f"file with stage0 and expert costs and records with n_new_l0); {self.policy!r} "
+                                 "has none")
         if self.capture is not None:
             from vllm_hybridspec.policy.files import check_writable
 

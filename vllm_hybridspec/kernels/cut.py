@@ -75,6 +75,43 @@ def route_tokens_torch(qsl: torch.Tensor, n: int, w: torch.Tensor, source_out: t
     torch.where(keep, t, start, out=source_out)
 
 
+def stage0_expand_torch(router_logits: torch.Tensor, qsl: torch.Tensor, w: torch.Tensor, expand: torch.Tensor,
+                        no_cut: int, kept: torch.Tensor | None = None) -> None:
+    """HybridSpec's Stage 0 at the first MoE router (Algorithm 1 lines 5-11), in place on ``w``: each
+    cut row's draft token ``d_{w0}`` (the row's token at position ``w0``, its current ``w``; the anchor
+    at 0) is verified too, ``w += 1``, where ``expand[row, n_new]`` says so, ``n_new`` being the experts
+    of ``d_{w0}`` that none of the row's tokens before it chose (``policy.selector.new_experts_at``).
+
+    ``router_logits`` ``[T, E]`` (top-k of the logits: a softmax router's choices); ``qsl`` ``[R + 1]``
+    non-decreasing (rows past the step have no tokens, vLLM's padding); ``w`` ``[>= R]`` int32,
+    ``no_cut`` where a row is not cut; ``expand`` ``[>= R, topk + 1]`` bool
+    (``policy.selector.expansion_table``). Rows whose ``d_{w0}`` was not scheduled keep their ``w``.
+    ``kept`` (int64 scalar): the rows lengthened are added to it. No host read: capturable in a CUDA
+    graph."""
+    T = router_logits.shape[0]
+    R = qsl.shape[0] - 1
+    k = expand.shape[1] - 1
+    device = router_logits.device
+    ids = router_logits.topk(k, dim=-1).indices  # [T, k], distinct within a token
+    q = qsl.to(torch.int64)
+    start, end = q[:-1], q[1:]  # [R]
+    w0 = w[:R].to(torch.int64)
+    t0 = start + w0  # d_{w0}'s token
+    valid = (w0 < no_cut) & (t0 < end)
+    own = ids.index_select(0, t0.clamp(max=T - 1))  # [R, k]
+    t = torch.arange(T, dtype=torch.int64, device=device)
+    row = torch.searchsorted(end, t, right=True).clamp_(max=R - 1)  # [T]
+    before = (t - start.index_select(0, row) < w0.index_select(0, row)) & (t < end[-1:])  # tokens ahead of d_{w0}
+    same = ids[:, :, None] == own.index_select(0, row)[:, None, :]  # [T, k, k]: token expert i == d_{w0}'s j
+    seen_by_token = (same.any(dim=1) & before[:, None]).to(torch.int32)  # [T, k]
+    seen = torch.zeros(R, k, dtype=torch.int32, device=device).index_add_(0, row, seen_by_token) > 0
+    n_new = k - seen.sum(dim=1)  # [R]
+    grow = expand[:R].gather(1, n_new[:, None])[:, 0] & valid
+    w[:R] += grow.to(w.dtype)
+    if kept is not None:
+        kept += grow.sum()
+
+
 # --- sampling: each row's bonus at its cut, the rows ended there -------------------------------------
 
 

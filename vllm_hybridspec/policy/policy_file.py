@@ -48,7 +48,7 @@ from .acceptance import FEATURES, AcceptanceModel, acceptance_model
 from .cost import padded_curve
 from .errors import InputError, describe
 from .files import read_json, refuse_non_finite, write_text_atomic
-from .selector import routing_correction, select_length, select_shared_length, stage0_length
+from .selector import expansion_table, routing_correction, select_length, select_shared_length, stage0_length
 
 FORMAT = "hybridspec-policy"
 VERSION = 1
@@ -311,6 +311,20 @@ class Policy:
         r = self.routing
         return routing_correction(p, w0, u, n_new, w_rem, self.cost, self.rate, r.s, r.eta,
                                   r.n_all, r.n_all_given)
+
+    def expansion_table(self, p: torch.Tensor, w0: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Algorithm 1 lines 6-10 ahead of Stage 0: ``[B, topk + 1]`` bool, whether ``d_{w0}`` is kept
+        given ``n`` new Layer-0 experts (``selector.expansion_table``); :meth:`correct` looks it up."""
+        if self.routing is None:
+            raise InputError("this policy file has no 'routing' section (the cost file gave no "
+                             "s and eta, or the records no Layer-0 expert counts)")
+        r = self.routing
+        return expansion_table(p, w0, u, self.cost, self.rate, r.s, r.eta, r.n_all, r.n_all_given)
+
+    @property
+    def experts_per_token(self) -> int | None:
+        """The router's top-k the routing tables were made for (``None`` without them)."""
+        return None if self.routing is None else self.routing.n_all_given.shape[1] - 1
 
     def speculate(self, batch: int) -> bool:
         """The batch gate: draft at all in a step with ``batch`` requests?  The entry of the largest

@@ -72,6 +72,28 @@ def new_experts_at(expert_ids: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
     return k - seen.sum(dim=1)
 
 
+def expansion_table(p: torch.Tensor, w0: torch.Tensor, u: torch.Tensor, cost: torch.Tensor,
+                    rate: torch.Tensor | float, s: float, eta: float, n_all: torch.Tensor,
+                    n_all_given: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 lines 6-10 before Stage 0 has run: for every count ``n = 0..topk`` of new Layer-0
+    experts that ``d_{w0}`` may bring, whether it is kept (``p_{w0} > rho dL_c(n)``, Eq. 6). Stage 0
+    then only looks its row's ``n_new`` up (:func:`routing_correction`; the engine's router does the
+    same on the device, ``kernels.cut.stage0_expand_torch``).
+
+    p: [B, D]; w0, u: [B] int64; cost: [W + 2]; n_all: [D + 1] and n_all_given: [D + 1, topk + 1]
+    indexed by ``w0`` (row 0 unused). Returns [B, topk + 1] bool, all false where Stage 0 does not
+    reach ``d_{w0}`` (``u < w0 + 1``: ``w0 = W`` or the budget ends first).
+    """
+    d = p.shape[1]
+    covered = u == w0 + 1                          # false when w0 = W or w_rem <= w0
+    j = w0.clamp(1, d)                             # a valid table row even where not covered
+    d_cost = cost[w0 + 1] - cost[w0]
+    d_experts = n_all_given[j] - n_all[j][:, None]  # [B, topk + 1]
+    delta = (d_cost - s)[:, None] + eta * d_experts  # estimated Stage-1 latency of d_{w0} per n
+    p_w0 = p.gather(1, (j - 1)[:, None])            # [B, 1]
+    return covered[:, None] & (p_w0 > rate * delta)
+
+
 def routing_correction(p: torch.Tensor, w0: torch.Tensor, u: torch.Tensor, n_new: torch.Tensor,
                        w_rem: torch.Tensor, cost: torch.Tensor, rate: torch.Tensor | float,
                        s: float, eta: float, n_all: torch.Tensor, n_all_given: torch.Tensor
@@ -84,15 +106,9 @@ def routing_correction(p: torch.Tensor, w0: torch.Tensor, u: torch.Tensor, n_new
     n_all_given: [D + 1, topk + 1] indexed by ``w0`` (row 0 unused).
     Returns the executed length ``w = min(w_c, w_rem)``: [B] int64.
     """
-    d = p.shape[1]
-    covered = u == w0 + 1                          # false when w0 = W or w_rem <= w0
-    j = w0.clamp(1, d)                             # a valid table row even where not covered
-    n = n_new.clamp(0, n_all_given.shape[1] - 1)
-    d_cost = cost[w0 + 1] - cost[w0]
-    d_experts = n_all_given[j, n] - n_all[j]
-    delta = d_cost - s + eta * d_experts           # [B] estimated Stage-1 latency of d_{w0}
-    p_w0 = p.gather(1, (j - 1)[:, None])[:, 0]
-    expand = covered & (p_w0 > rate * delta)
+    table = expansion_table(p, w0, u, cost, rate, s, eta, n_all, n_all_given)
+    n = n_new.clamp(0, table.shape[1] - 1)
+    expand = table.gather(1, n[:, None])[:, 0]
     return torch.minimum(w0 + expand.to(w0.dtype), w_rem)
 
 

@@ -20,7 +20,7 @@ def gen():
     return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
 
 
-def policy_file(tmp_path, gate=None, batched=False):
+def policy_file(tmp_path, gate=None, batched=False, routing_topk=None):
     curve = [float(w) for w in range(1, K + 2)]
     obj = {"draft_len": K, "min_length": 1,
            "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
@@ -31,6 +31,10 @@ def policy_file(tmp_path, gate=None, batched=False):
     if batched:
         obj["batched"] = {"4": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 4.0, 0.0], "fixed": 1.0,
                                 "curve": [4.0 * w for w in range(1, K + 2)], "candidates": [1, 4, 8], "rate": 0.4}}
+    if routing_topk is not None:  # n_all_given rising with n: a draft that brings more new experts costs more
+        obj["routing"] = {"s": 0.2, "eta": 0.3, "experts_per_token": routing_topk, "later_layers": False,
+                          "n_all": [float(routing_topk)] * K,
+                          "n_all_given": [[float(routing_topk) + 2.0 * (n - routing_topk / 2) for n in range(routing_topk + 1)]] * K}
     path = tmp_path / "policy.json"
     save_policy(PolicyFile.model_validate(obj), path)
     return str(path)
@@ -183,3 +187,50 @@ def test_configure_refuses_trimmed_lengths_when_the_gdn_layers_run_vllms_own_pat
     free = LengthSelector(HybridSpecOptions(fixed_length=K + 1), K, torch.device("cpu"), max_num_reqs=64)
     free.configure(fixed_length=3)
     free.configure(policy=path)
+
+
+def test_with_routing_tables_the_selector_hands_stage0_each_rows_expansion_table(tmp_path, gen):
+    """HybridSpec's routing correction: the selector keeps the nominal ``w0`` (capped by the budget) and,
+    per count of new Layer-0 experts, whether ``d_{w0}`` is kept (``Policy.expansion_table``), which
+    Stage 0 looks up at the first MoE router; only where the engine's cut runs Stage 0."""
+    path = policy_file(tmp_path, routing_topk=4)
+    policy = Policy.load(path)
+    n = 32
+    conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
+    w_rem = torch.randint(1, K + 2, (n,), generator=gen)
+    drafts = torch.randint(0, 96, (n, K), generator=gen)
+    ids = [f"r{i}" for i in range(n)]
+    selector = LengthSelector(HybridSpecOptions(policy=path), K, torch.device("cpu"), max_num_reqs=64)
+    assert selector.routes and not selector.stage0_ready
+    w = selector.select(drafts, conf, ent, w_rem, ids)
+    assert selector.expand is None  # no Stage 0 in this engine: the nominal lengths only
+    selector.stage0_ready = True
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids), w)
+    p, w0, u = policy.draft_side(conf, ent, w_rem)
+    table = policy.expansion_table(p, w0, u)
+    assert torch.equal(w.long(), torch.minimum(w0, w_rem)) and torch.equal(selector.expand, table)
+    assert table.shape == (n, 5) and table.any() and not table.all()  # both answers drawn
+    # the lookup is the policy's Stage 1 (Algorithm 1 line 11) at every count of new experts
+    for new in range(5):
+        n_new = torch.full((n,), new, dtype=torch.int64)
+        want = policy.correct(p, w0, u, n_new, w_rem)
+        assert torch.equal(torch.minimum(w0 + table[:, new].long(), w_rem), want)
+    selector.gated(drafts)
+    assert selector.expand is None
+    off = LengthSelector(HybridSpecOptions(policy=path, routing=False), K, torch.device("cpu"), max_num_reqs=64)
+    assert not off.routes
+    batched = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True, routing_topk=4), batched=True),
+                             K, torch.device("cpu"), max_num_reqs=64)
+    assert not batched.routes  # one shared length per batch: no per-request correction
+
+
+def test_routing_options_that_cannot_hold_are_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match='"routing": true corrects lengths selected per request'):
+        HybridSpecOptions(routing=True)
+    with pytest.raises(ValueError, match='"routing": true corrects lengths selected per request'):
+        HybridSpecOptions(policy=policy_file(tmp_path, batched=True, routing_topk=4), batched=True, routing=True)
+    plain = HybridSpecOptions(policy=policy_file(tmp_path), routing=True)
+    with pytest.raises(ValueError, match="routing=True needs a policy file with a 'routing' section"):
+        plain.check(K)

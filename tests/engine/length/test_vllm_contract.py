@@ -173,6 +173,18 @@ def test_symbols_the_device_cut_relies_on_keep_their_shape():
     assert execute.index("self.synchronize_input_prep()") < execute.index("self._prepare_inputs(")
     assert callable(forward_context.get_forward_context) and callable(forward_context.is_forward_context_available)
     assert "no_compile_layers" in {f.name for f in dataclasses.fields(forward_context.ForwardContext)}
+    # Stage 0 (the routing correction) finds the first MoE layer by its name, first in the list the
+    # MoE layers register into while the model is built, and reads every row of query_start_loc, which
+    # vLLM keeps non-decreasing past the step's rows and copies to the device whole
+    from vllm.config.compilation import CompilationConfig
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    assert "static_all_moe_layers" in {f.name for f in dataclasses.fields(CompilationConfig)}
+    register = re.sub(r"\s+", "", inspect.getsource(moe_runner.register_layer_for_moe_forward_op))
+    assert "prefix=layer.layer_name" in register and "compilation_config.static_all_moe_layers.append(prefix)" in register
+    prepare = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(GPUModelRunner._prepare_inputs)))
+    assert "self.query_start_loc.np[num_reqs+1:].fill(cu_num_tokens[-1])" in prepare
+    assert prepare.index("self.query_start_loc.np[num_reqs+1:].fill(") < prepare.index("self.query_start_loc.copy_to_gpu()")
 
 
 def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():

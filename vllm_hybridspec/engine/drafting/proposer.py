@@ -66,7 +66,11 @@ class RunnerDFlashProposer(DFlashProposer):
                 verifies_every_draft=on_vllm_gdn_path(vllm_config))
             if runner is not None:
                 state_of(runner).selector = self.length_selector
-                attach_cut(runner)
+                cut = attach_cut(runner)
+                if self.length_selector.routes:  # Stage 0 at the first MoE router (engine/length/cut.py)
+                    cut.enable_routing(self.length_selector.policy.experts_per_token,
+                                       runner.compilation_config.static_all_moe_layers)
+                    self.length_selector.stage0_ready = True
                 self.length_selector.on_configure = lambda sel: sync_scheduler(vllm_config, sel)
         self._signals: tuple[torch.Tensor, torch.Tensor] | None = None  # [N * K] top-1 prob, entropy
         self._budget = BudgetCache()  # the rows' budget ends on the device, kept while the batch holds

@@ -93,4 +93,5 @@ class HybridSpecWorkerExtension:
         stats = selector.stats()
         cut = cut_of(runner)
         return {**stats, "rows_at_length": {str(w): n for w, n in stats["rows_at_length"].items()},
-                "verified_drafts": int(cut.verified_drafts) if cut is not None else None}
+                "verified_drafts": int(cut.verified_drafts) if cut is not None else None,
+                "stage0_kept": int(cut.stage0_kept) if cut is not None and cut.expand is not None else None}

@@ -14,6 +14,11 @@ batch size serves every length; the step then verifies only the first ``w - 1`` 
   row's first token (the anchor, always verified), so the experts the step reads are the verified
   tokens' own. A cut token's output is never read: attention, the GDN recurrence and the convolution
   are causal, so no verified position depends on a later one, and the sampler stops at ``w``.
+  With a policy that has routing tables (HybridSpec's routing correction, Algorithm 1 lines 5-11), the
+  first MoE layer's router is Stage 0: the selector picked ``w0`` and, per count of new Layer-0 experts,
+  whether ``d_{w0}`` is worth verifying too; there each row's ``n_new`` is counted from the router's
+  top-k choices and its ``w`` becomes ``w0`` or ``w0 + 1`` before any token is routed
+  (``StepCut.stage0``), for every later layer and the sampler alike.
 * **Sampling** (``GPUModelRunner._sample``): the rejection sampler runs on every draft as vLLM's own,
   with each row's bonus token sampled from the target's distribution at position ``w - 1`` instead of
   after the last draft; a row that accepted its first ``w - 1`` drafts then ends with that bonus token.
@@ -40,7 +45,14 @@ from vllm_hybridspec.engine.compat import (
     wrap_once,
 )
 from vllm_hybridspec.engine.runner_state import existing_state, state_of, state_of_forward
-from vllm_hybridspec.kernels.cut import bonus_at_cut, end_rows_at_cut, plan_cut, plan_cut_torch
+from vllm_hybridspec.kernels.cut import (
+    bonus_at_cut,
+    end_rows_at_cut,
+    plan_cut,
+    plan_cut_torch,
+    route_tokens_torch,
+    stage0_expand_torch,
+)
 
 NO_CUT = 1 << 30  # the length of a row that keeps every token
 
@@ -58,26 +70,52 @@ class StepCut:
         self.active = False  # this step cuts (the sampler reads it)
         self.steps_cut = 0
         self.verified_drafts = torch.zeros((), dtype=torch.int64, device=device)  # sum of v over cut rows
+        self.stage0_kept = torch.zeros((), dtype=torch.int64, device=device)  # rows Stage 0 lengthened
+        # the routing correction (enable_routing): per row, whether d_{w0} is kept given n new Layer-0
+        # experts; the first MoE layer's name; the runner's query_start_loc buffer (all rows, padded)
+        self.expand: torch.Tensor | None = None  # [R, topk + 1] bool
+        self._moe_layers: list[str] | None = None
+        self.query_start_loc: torch.Tensor | None = None
+
+    def enable_routing(self, topk: int, moe_layers: list[str]) -> None:
+        """HybridSpec's Stage 0 at the first MoE router of every step that cuts (module docstring,
+        "Experts"). ``moe_layers``: vLLM's ``compilation_config.static_all_moe_layers``, filled in model
+        order while the model is built."""
+        self.expand = torch.zeros(self.w.shape[0], topk + 1, dtype=torch.bool, device=self.w.device)
+        self._moe_layers = moe_layers
+
+    def is_stage0_layer(self, layer_name) -> bool:
+        return self.expand is not None and bool(self._moe_layers) and layer_name == self._moe_layers[0]
 
     def reset(self) -> None:
         """Every token routed as its own and no row cut: a forward that is not a served step (vLLM's
         dummy runs and graph captures), or a step that cuts nothing."""
         self.w.fill_(NO_CUT)
         self.source.copy_(self._tokens)
+        if self.expand is not None:
+            self.expand.zero_()
         self.active = False
 
     def plan(self, w_prev: torch.Tensor, prev_rows: dict[str, int], req_ids: list[str],
-             spec_rows: np.ndarray, query_start_loc: torch.Tensor) -> None:
+             spec_rows: np.ndarray, query_start_loc: torch.Tensor, expand_prev: torch.Tensor | None = None) -> None:
         """``w_prev`` ``[N_prev]`` (device): the selected length of each row of the previous round, whose
         request ids map to rows by ``prev_rows``; ``req_ids``: this step's rows; ``spec_rows`` ``[N]``
         bool: rows that verify drafts this step; ``query_start_loc`` ``[N + 1]`` (device): the step's
-        token offsets. Fills ``w`` and ``source`` on the device, without a host read."""
+        token offsets; ``expand_prev`` ``[N_prev, topk + 1]``: the previous round's expansion tables
+        (routing correction; ``None``: no row grows). Fills ``w``, ``source`` (and ``expand``) on the
+        device, without a host read."""
         n = len(req_ids)
         prev = self._prev_row.numpy()
         prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
         self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
         plan = plan_cut if self.w.is_cuda else plan_cut_torch  # one launch on GPUs
         plan(w_prev, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
+        if self.expand is not None:
+            if expand_prev is None:
+                self.expand[:n].zero_()
+            else:
+                rows = self._prev_row_dev[:n]
+                self.expand[:n] = expand_prev.index_select(0, rows.clamp(min=0)) & (rows >= 0)[:, None]
         self.active = True
         self.steps_cut += 1
 
@@ -91,9 +129,22 @@ class StepCut:
         replays: every token is its row's first). Any other graph keeps the gather, since the steps
         that replay it may cut."""
         T = router_logits.shape[0]
-        if T > self.source.shape[0] or (one_token_per_request if capturing else not self.active):
+        if T > self.source.shape[0] or not self.may_cut(capturing, one_token_per_request):
             return router_logits
         return router_logits.index_select(0, self.source[:T])
+
+    def may_cut(self, capturing: bool, one_token_per_request: bool) -> bool:
+        """Whether this forward may cut a token (``route``'s rule: a step that cuts, or a CUDA graph other
+        than plain decoding's, since the steps that replay it may cut)."""
+        return not one_token_per_request if capturing else self.active
+
+    def stage0(self, router_logits: torch.Tensor) -> None:
+        """At the first MoE router: each cut row's ``d_{w0}`` kept or not from its new Layer-0 experts
+        (``kernels.cut.stage0_expand_torch``), then every token's router source again for the rows'
+        final lengths, which the later layers' routing and the sampler's bonus read."""
+        qsl = self.query_start_loc
+        stage0_expand_torch(router_logits, qsl, self.w, self.expand, NO_CUT, self.stage0_kept)
+        route_tokens_torch(qsl, qsl.shape[0] - 1, self.w, self.source)
 
     def bonus_at_cut(self, metadata, num_rows: int):
         """``(metadata with each row's bonus index at its cut, v [N])``: ``v`` the drafts verified
@@ -166,7 +217,9 @@ def plan_step_cut(runner, scheduler_output) -> None:
         return
     w_prev, prev_rows = found
     spec_rows = runner.num_decode_draft_tokens.np[:n] > 0  # decode rows with drafts (others keep every token)
-    cut.plan(w_prev, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1])
+    cut.query_start_loc = runner.query_start_loc.gpu
+    cut.plan(w_prev, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1],
+             selector.expand)
 
 
 def sample_with_cut(runner, original, logits, spec_decode_metadata):
@@ -209,6 +262,7 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
 def reset_before_dummy_run(runner) -> None:
     cut = cut_of(runner)
     if cut is not None:
+        cut.query_start_loc = runner.query_start_loc.gpu  # what a captured Stage 0 reads
         cut.reset()
 
 
@@ -226,7 +280,10 @@ def _routed_at_cut(original):
         cut = None if torch.compiler.is_compiling() else cut_of_forward()
         if cut is not None:
             capturing = router_logits.is_cuda and torch.cuda.is_current_stream_capturing()
-            router_logits = cut.route(router_logits, capturing, capturing and one_token_per_request())
+            one_token = capturing and one_token_per_request()
+            if cut.is_stage0_layer(getattr(self, "layer_name", None)) and cut.may_cut(capturing, one_token):
+                cut.stage0(router_logits)  # the routing correction: the rows' final lengths, from Layer 0's experts
+            router_logits = cut.route(router_logits, capturing, one_token)
         return original(self, hidden_states, router_logits, *args, **kwargs)
 
     return _apply_quant_method

@@ -43,6 +43,9 @@ class LengthSelector:
         self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
         self.w: torch.Tensor | None = None  # [N] int32 selected lengths (tokens to verify, the first included), on device
         self.rows: dict[str, int] = {}  # request id -> its row of drafts and w
+        # [N, topk + 1] bool with the routing correction: d_{w0} kept given n new Layer-0 experts
+        self.expand: torch.Tensor | None = None
+        self.stage0_ready = False  # the step's cut runs Stage 0 (set with StepCut.enable_routing at engine start)
         self.gated_drafts = False  # the drafts are a gated step's, verified nowhere (known on the host)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
         self._no_drafts: dict[int, torch.Tensor] = {}  # n -> an [n, 0] drafts tensor (no_drafts)
@@ -51,6 +54,9 @@ class LengthSelector:
         policy = Policy.load(options.policy, self.device) if options.policy else None  # may raise: nothing set yet
         self.options, self.policy = options, policy
         self.trims = bool(options.select or options.fixed_length is not None)
+        # HybridSpec's routing correction: per-request selection with a policy that has routing tables
+        self.routes = bool(options.select and not options.batched and options.routing is not False
+                           and policy is not None and policy.routing is not None)
         self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
 
     def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
@@ -105,7 +111,7 @@ class LengthSelector:
         """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
         self.steps += 1
         self.gated_steps += 1
-        self.drafts, self.w, self.rows, self.gated_drafts = drafts, None, {}, True
+        self.drafts, self.w, self.rows, self.gated_drafts, self.expand = drafts, None, {}, True, None
         return drafts
 
     def no_drafts(self, n: int, device) -> torch.Tensor:
@@ -124,6 +130,7 @@ class LengthSelector:
         the device (nothing is copied to the host)."""
         n, k = drafts.shape
         self.steps += 1
+        expand = None
         if self.options.fixed_length is not None:
             w = w_rem.clamp(max=self.options.fixed_length)  # min(fixed_length, w_rem), one kernel
         elif not self.options.select or k != self.policy.draft_len:
@@ -135,13 +142,18 @@ class LengthSelector:
             shared = select_shared_length(p, c.candidates, c.cost, c.rate, w_rem)
             w = torch.minimum(shared.expand(n), w_rem)
         else:
-            _, w0, _ = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
+            p, w0, u = self.policy.draft_side(top1_prob.float(), entropy.float(), w_rem)
             w = torch.minimum(w0, w_rem)
+            if self.routes and self.stage0_ready:  # Stage 0 at the first MoE router decides d_{w0} (cut.py)
+                expand = self.policy.expansion_table(p, w0, u)
         w = w.to(torch.int32)  # [N]
         if self.options.tp_broadcast:
             from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
 
             w = broadcast_from_tp_rank0(w)
+            if expand is not None:  # as bytes: not every collective backend broadcasts bool tensors
+                expand = broadcast_from_tp_rank0(expand.to(torch.uint8)).bool()
+        self.expand = expand
         self.length_counts.index_add_(0, w, self._ones[:n])  # length_counts[w] += 1
         self.drafts, self.w, self.gated_drafts = drafts, w, False
         self.rows = {r: i for i, r in enumerate(req_ids[:n])}
