@@ -202,12 +202,18 @@ ref32|ref32full|ref32dense)
   [ "${FUSED_CONV:-0}" = 1 ] && GK="$GK \"gdn_fused_conv\": true,"  # FUSED_CONV=1: the one-launch spec-step conv
   [ "$STAGE" = ref32dense ] && GK=''
   HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
+  ROUTE=()  # the hybrid (4 of 32 experts per token): selected lengths with Stage 0 at the first MoE router too,
+  # from hand routing tables on the CPU policy (the reference models' records carry no Layer-0 counts)
+  if [ "$kind" = hybrid ]; then
+    python3 -c 'import json; p = json.load(open("models/hybrid-hspec/policy_cpu.json")); p["routing"] = {"s": 0.6, "eta": 0.5, "experts_per_token": 4, "later_layers": False, "n_all": [2.0] * 7, "n_all_given": [[0.0, 1.0, 2.0, 3.0, 4.0]] * 7}; json.dump(p, open("/tmp/route_policy.json", "w"))'
+    ROUTE=(--config hspec_route="{$HH, \"hybridspec\": {$GK \"policy\": \"/tmp/route_policy.json\", \"gate\": false}}")
+  fi
   run "identity-$kind" python3 -m vllm_hybridspec.cli compare --model models/$kind --prompts models/prompts/heldout.jsonl \
     --num-prompts 24 --max-tokens 128 --bs1-prompts 0 --dtype float32 --gpu-mem 0.2 --isolate --logprobs \
     --max-num-seqs "${SEQS:-8}" --engine-args "$ENG" \
     --config plain=none --config hspec_all="{$HH, \"hybridspec\": {$GK \"fixed_length\": 8}}" \
     --config hspec_sel="{$HH, \"hybridspec\": {$GK \"policy\": \"models/hybrid-hspec/policy_cpu.json\", \"gate\": false}}" \
-    --out "$R/identity-$kind.json"
+    "${ROUTE[@]}" --out "$R/identity-$kind.json"
   ;;
 refprof)
   # where the reference hybrid's step time goes at batch 1 (bf16, async scheduling, default graphs): torch.profiler
