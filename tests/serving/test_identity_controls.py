@@ -1,4 +1,4 @@
-"""Negative controls of the shared identity check (``identity.py``): four bugs planted in the running
+"""Negative controls of the shared identity check (``identity.py``): five bugs planted in the running
 engine, each of which the check must fail, next to the same engines without the bug, which it must
 pass. A tiny random hybrid Qwen3-Next target (float32, one-slot GDN layer) against a separate plain
 engine, 24 prompts x 24 tokens:
@@ -15,7 +15,11 @@ engine, 24 prompts x 24 tokens:
   experts as if it were cut; or the rows stop at the cut while the bonus token comes from the
   logits after the last scheduled draft. A cut that is one token longer or shorter in both halves
   alike only verifies a different number of drafts: greedy output cannot change
-  (``test_selection.py`` counts the verified drafts against the selector's).
+  (``test_selection.py`` counts the verified drafts against the selector's);
+- **Stage 0 routes as before**: with a routing policy (HybridSpec's routing correction), Stage 0 at the
+  first MoE router lengthens rows for the sampler but the router's sources stay the selector's cut, so
+  each draft it keeps is verified with its anchor's experts; next to the same engine without the bug,
+  which must pass and must have kept some drafts and dropped others.
 
 The controls pass because the check fails (and would fail if it passed the planted bug)."""
 
@@ -187,59 +191,74 @@ def test_a_planted_cut_bug_fails_the_check(models, prompts, plain, async_schedul
 
 def routing_policy(path) -> str:
     """A policy for the controls' drafter (K = 4, the tiny target's 2 of 8 experts per token) whose
-    acceptance estimate follows the draft's top-1 confidence, with target cost ``C(w) = w`` and routing
-    tables under which ``d_{w0}`` is always kept when it brings no new Layer-0 expert, kept above a low
-    estimate with one and above a higher one with two: Stage 0's three answers all occur."""
+    acceptance estimate is 0.4 for every first draft whatever the drafter says, so with target cost
+    ``C(w) = w`` and rate 0.5 every round's nominal length is ``w0 = 1``; its routing tables keep
+    ``d_1`` when it brings at most one expert the anchor did not choose (``rho dL_c`` 0.075 or less,
+    below 0.4) and drop it when both of its experts are new (0.45): Stage 0's answer depends on the
+    router alone, and both occur in any draw of weights."""
+    import math
+
     from vllm_hybridspec.policy.acceptance import FEATURES
     from vllm_hybridspec.policy.policy_file import PolicyFile
 
-    k, slope, midpoint = 4, 15.0, 0.6
+    k = 4
     obj = {"draft_len": k, "min_length": 1,
            "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
                           "isotonic": [{"x": [0.0, 1.0], "y": [0.0, 1.0]}] * k,
-                          "coef": [slope, 0.0, 0.0, 0.0, 0.0], "intercept": -slope * midpoint},
+                          "coef": [0.0] * 5, "intercept": math.log(0.4 / 0.6)},
            "cost": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 1.0, 0.0], "fixed": 1.0,
                     "curve": [float(w) for w in range(1, k + 2)]},
            "rate": 0.5,
            "routing": {"s": 0.6, "eta": 0.5, "experts_per_token": 2, "later_layers": False,
-                       "n_all": [1.0] * k, "n_all_given": [[0.0, 1.0, 2.0]] * k}}
+                       "n_all": [1.0] * k, "n_all_given": [[0.0, 0.5, 2.0]] * k}}
     path.write_text(PolicyFile.model_validate(obj).model_dump_json())
     return str(path)
 
 
-def routed_run(models, prompts, tmp_path):
-    """Greedy H-Spec with the routing policy: the outputs, the drafts the selector picked (every row at
-    ``w`` counts ``w - 1``) and the drafts the rejection sampler verified after Stage 0."""
+@pytest.fixture(scope="module")
+def routed(models, tmp_path_factory):
+    """One engine for both routing tests: greedy H-Spec with the routing policy (the planted bug is
+    patched in and out around a generate call, so it needs no engine of its own)."""
+    spec = {"method": "hspec", "model": models[1], "num_speculative_tokens": 4,
+            "hybridspec": {"gdn_kernel": True,
+                           "policy": routing_policy(tmp_path_factory.mktemp("routing") / "routing.json")}}
+    llm = hybrid_llm(models[0], spec)
+    selector = runner_of(llm).drafter.length_selector
+    assert selector.routes and selector.stage0_ready
+    yield llm
+    del llm
+
+
+def routed_run(llm, prompts):
+    """The outputs, the rows at each length the selector picked in this run and the rows Stage 0
+    lengthened (``d_{w0}`` verified too)."""
     from vllm_hybridspec.engine.length.cut import cut_of
 
-    spec = {"method": "hspec", "model": models[1], "num_speculative_tokens": 4,
-            "hybridspec": {"gdn_kernel": True, "policy": routing_policy(tmp_path / "routing.json")}}
-    llm = hybrid_llm(models[0], spec)
     runner = runner_of(llm)
-    assert runner.drafter.length_selector.routes and runner.drafter.length_selector.stage0_ready
+    selector, cut = runner.drafter.length_selector, cut_of(runner)
+    rows_before, kept_before = dict(selector.stats()["rows_at_length"]), int(cut.stage0_kept)
     ours = identity.generate(llm, prompts, MAX_TOKENS)
-    rows = runner.drafter.length_selector.stats()["rows_at_length"]
-    kept = int(cut_of(runner).stage0_kept)
+    rows = {w: n - rows_before.get(w, 0) for w, n in selector.stats()["rows_at_length"].items()}
+    kept = int(cut.stage0_kept) - kept_before
     print("rows at each selected length:", rows, "| rows Stage 0 lengthened:", kept)
-    del llm
     return ours, rows, kept
 
 
-def test_routing_correction_verifies_some_drafts_past_the_selected_length_exactly(models, prompts, plain, tmp_path):
-    ours, rows, kept = routed_run(models, prompts, tmp_path)
+def test_routing_correction_verifies_some_drafts_past_the_selected_length_exactly(models, prompts, plain, routed):
+    ours, rows, kept = routed_run(routed, prompts)
     check_hybrid_identity(ours, plain, "routing correction, no bug", models[0])
-    # Stage 0 kept d_{w0} in some rounds and not in others (rows selected at w = K + 1 have none)
-    below_max = sum(n for w, n in rows.items() if w < 5)
-    assert 0 < kept < below_max
+    # every round selected w0 = 1 (rows at the end of a request's budget too), and Stage 0 kept d_1 in
+    # some of them and not in others
+    assert set(rows) == {1} and 0 < kept < rows[1]
 
 
-def test_a_planted_stage0_bug_fails_the_check(models, prompts, plain, tmp_path, monkeypatch):
+def test_a_planted_stage0_bug_fails_the_check(models, prompts, plain, routed, monkeypatch):
     """Planted: Stage 0 lengthens the rows for the sampler but leaves the router's sources as the
     selector's lengths cut them, so each kept ``d_{w0}`` is verified with its anchor's experts."""
     from vllm_hybridspec.engine.length import cut as cut_module
 
     monkeypatch.setattr(cut_module, "route_tokens_torch", lambda *args: None)
-    ours, _, kept = routed_run(models, prompts, tmp_path)
+    ours, _, kept = routed_run(routed, prompts)
     assert kept > 0
     verdict = caught(ours, plain, "control: routing correction, sources not updated", models[0])
     assert verdict.identical < MIN_IDENTICAL
