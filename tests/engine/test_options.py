@@ -116,6 +116,7 @@ def test_capture_paths_that_cannot_be_written_are_refused_at_config_time(tmp_pat
     ({"full_graph_spec_steps": "no"}, "full_graph_spec_steps: Input should be a valid boolean (got 'no')"),
     ({"gdn_fused_conv": "yes"}, "gdn_fused_conv: Input should be a valid boolean (got 'yes')"),
     ({"gate": 0}, "gate: Input should be a valid boolean (got 0)"),
+    ({"routing": "yes"}, "routing: Input should be a valid boolean (got 'yes')"),
     ({"fixed_length": 3, "capture": "r.jsonl"}, '"capture" verifies every draft token; drop "select"/"fixed_length"'),
 ])
 def test_each_option_refuses_a_bad_value_in_one_line(raw, message):
