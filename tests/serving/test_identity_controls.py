@@ -196,22 +196,14 @@ def routing_policy(path) -> str:
     ``d_1`` when it brings at most one expert the anchor did not choose (``rho dL_c`` 0.075 or less,
     below 0.4) and drop it when both of its experts are new (0.45): Stage 0's answer depends on the
     router alone, and both occur in any draw of weights."""
-    import math
-
-    from vllm_hybridspec.policy.acceptance import FEATURES
-    from vllm_hybridspec.policy.policy_file import PolicyFile
+    from ..policy.helpers import hand_policy
 
     k = 4
-    obj = {"draft_len": k, "min_length": 1,
-           "acceptance": {"features": list(FEATURES), "entropy_eps": 1e-4,
-                          "isotonic": [{"x": [0.0, 1.0], "y": [0.0, 1.0]}] * k,
-                          "coef": [0.0] * 5, "intercept": math.log(0.4 / 0.6)},
-           "cost": {"measured_lengths": [1, 2, 3], "quadratic": [1.0, 1.0, 0.0], "fixed": 1.0,
-                    "curve": [float(w) for w in range(1, k + 2)]},
-           "rate": 0.5,
-           "routing": {"s": 0.6, "eta": 0.5, "experts_per_token": 2, "later_layers": False,
-                       "n_all": [1.0] * k, "n_all_given": [[0.0, 0.5, 2.0]] * k}}
-    path.write_text(PolicyFile.model_validate(obj).model_dump_json())
+    routing = {"s": 0.6, "eta": 0.5, "experts_per_token": 2, "later_layers": False,
+               "n_all": [1.0] * k, "n_all_given": [[0.0, 0.5, 2.0]] * k}
+    policy = hand_policy(draft_len=k, c=0.4, rate=0.5, quadratic=(1.0, 1.0, 0.0), fixed=1.0, routing=routing,
+                         min_length=1)
+    path.write_text(policy.model_dump_json())
     return str(path)
 
 
