@@ -244,7 +244,9 @@ def test_input_files_of_evaluate_and_plot_rounds(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["demo", "--kind", "moe"], "--kind must be hybrid or dense, got 'moe'"),
     (["models", "--stage", "corpos"], "--stage 'corpos' is not a stage; valid stages are corpus, targets, prompts, "
-                                      "drafters, evaluate"),
+                                      "drafters, evaluate, accept"),
+    (["models", "--stdlib-root", "/"], "--stdlib-root / has no os.py; expected a Python standard library directory "
+                                       "such as /usr/lib/python3.12"),
     (["models", "--max-minutes", "0"], "--max-minutes 0 is not valid; expected a positive number of minutes"),
     (["models", "--max-minutes", "inf"], "--max-minutes inf is not valid; expected a positive number of minutes"),
     (["full-shape", "--layers", "42"], "--layers 42 is not a multiple of 4 (full_attention_interval = 4)"),

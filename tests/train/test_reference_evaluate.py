@@ -8,6 +8,7 @@ from vllm_hybridspec.policy.records import Rounds, load_records, save_records
 from vllm_hybridspec.train.reference.evaluate import (
     accepted_length,
     bootstrap_ci,
+    bootstrap_counts,
     position_acceptance,
     rounds_from_drafts,
     summarize,
@@ -68,6 +69,30 @@ def test_position_acceptance_and_bootstrap():
     # one prompt only: every resample is the same
     one = bootstrap_ci(accepted[:25], torch.zeros(25, dtype=torch.long), D, n=100)
     assert one["tau_ci95"][0] == one["tau_ci95"][1] == one["tau"]
+
+
+def test_bootstrap_from_per_prompt_counts_equals_bootstrap_from_rounds():
+    """vLLM gives per-prompt counts (rounds, rounds with A >= k), not rounds: the same intervals from them."""
+    D, P = 7, int(torch.randint(5, 30, ()))
+    per_prompt = torch.randint(1, 40, (P,))
+    prompt_ids = torch.arange(P).repeat_interleave(per_prompt)
+    accepted = torch.randint(0, D + 1, (len(prompt_ids),))
+    k = torch.arange(1, D + 1)
+    ge = torch.zeros(P, D, dtype=torch.float64).index_add_(0, prompt_ids, (accepted[:, None] >= k).double())
+    seed = int(torch.randint(0, 100, ()))
+    from_rounds = bootstrap_ci(accepted, prompt_ids, D, n=300, seed=seed)
+    from_counts = bootstrap_counts(per_prompt, ge, n=300, seed=seed)
+    assert from_counts["rounds"] == len(accepted) and from_counts["prompts"] == P
+    assert abs(from_counts["tau"] - (1 + accepted.double().mean())) < 1e-12
+    for key in ("tau", "alpha"):
+        assert torch.allclose(torch.tensor(from_counts[key]), torch.tensor(from_rounds[key]), atol=1e-12)
+    for key in ("tau_ci95", "alpha_ci95"):
+        assert torch.allclose(torch.tensor(from_counts[key]), torch.tensor(from_rounds[key]), atol=1e-12)
+    # a prompt without rounds (a wrong counter read) is refused, not averaged in
+    import pytest
+
+    with pytest.raises(ValueError, match="rounds"):
+        bootstrap_counts(torch.cat([per_prompt, torch.zeros(1, dtype=torch.long)]), torch.cat([ge, ge[:1]]))
 
 
 def test_records_validate_with_the_policy_loader(tmp_path):

@@ -39,7 +39,7 @@ def drafter_recipe(spec, kind: str, drafter: str, dflash_layers: int | None = No
             max_prompt_tokens=spec.prompt_tokens,
             max_new_tokens=spec.response_tokens,
             temperature=0.0,
-            generation_batch_size=32,
+            generation_batch_size=spec.generation_batch_size,
             val_fraction=0.0625,
         ),
         drafter=DrafterSpec(type=drafter, num_attention_layers=min(3, num_full), block_size=8, **shapes),

@@ -66,32 +66,38 @@ def bootstrap_ci(
     ``accepted``, ``prompt_ids``: ``[R]`` over untruncated rounds. A resample draws prompts with
     replacement and pools their rounds, so long and short prompts weigh by their number of rounds."""
     prompts = torch.unique(prompt_ids)
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.arange(0, draft_len + 1)
-    # per prompt: rounds, sum of A, and counts of A >= k
+    k = torch.arange(1, draft_len + 1)
     onehot = (prompt_ids[:, None] == prompts[None]).double()  # [R, P]
-    rounds = onehot.sum(0)  # [P]
-    ge = (accepted.double()[:, None] >= k[1:]).double()  # [R, D]
-    ge_sum = onehot.T @ ge  # [P, D]
-    a_sum = onehot.T @ accepted.double()  # [P]
-    draws = torch.randint(0, len(prompts), (n, len(prompts)), generator=gen)  # [n, P]
-    w = torch.zeros(n, len(prompts), dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones_like(draws, dtype=torch.float64)
-    )  # [n, P] multiplicities
+    ge = (accepted.double()[:, None] >= k).double()  # [R, D]
+    return bootstrap_counts(onehot.sum(0), onehot.T @ ge, n, seed)
+
+
+def bootstrap_counts(rounds: torch.Tensor, ge_sum: torch.Tensor, n: int = 2000, seed: int = 0) -> dict:
+    """:func:`bootstrap_ci` from per-prompt counts: ``rounds`` ``[P]`` (rounds of each prompt) and
+    ``ge_sum`` ``[P, D]`` (its rounds with ``A >= k``, k = 1..D), which is what vLLM's spec-decode
+    counters give per request (``num_drafts`` and ``num_accepted_tokens_per_pos``)."""
+    rounds, ge_sum = rounds.double(), ge_sum.double()
+    if rounds.ndim != 1 or ge_sum.shape[0] != rounds.shape[0] or not bool((rounds > 0).all()):
+        raise ValueError(f"expected rounds [P] > 0 and ge_sum [P, D]; got {tuple(rounds.shape)}, {tuple(ge_sum.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    P, D = ge_sum.shape
+    draws = torch.randint(0, P, (n, P), generator=gen)  # [n, P]
+    w = torch.zeros(n, P, dtype=torch.float64).scatter_add_(1, draws, torch.ones_like(draws, dtype=torch.float64))
     tot = w @ rounds  # [n]
-    tau = 1 + (w @ a_sum) / tot
     alpha = (w @ ge_sum) / tot[:, None]  # [n, D]
+    tau = 1 + alpha.sum(dim=1)  # E[A] = sum_k P(A >= k)
 
     def interval(x):
         return [float(torch.quantile(x, 0.025)), float(torch.quantile(x, 0.975))]
 
+    alpha_point = ge_sum.sum(0) / rounds.sum()
     return {
-        "tau": float(1 + accepted.double().mean()),
+        "tau": float(1 + alpha_point.sum()),
         "tau_ci95": interval(tau),
-        "alpha": position_acceptance(accepted, draft_len).tolist(),
-        "alpha_ci95": [interval(alpha[:, j]) for j in range(draft_len)],
-        "rounds": int(len(accepted)),
-        "prompts": int(len(prompts)),
+        "alpha": alpha_point.tolist(),
+        "alpha_ci95": [interval(alpha[:, j]) for j in range(D)],
+        "rounds": int(rounds.sum()),
+        "prompts": int(P),
         "bootstrap": n,
     }
 

@@ -6,7 +6,9 @@
 4. per target, an H-Spec and a DFlash drafter trained with ``train/``'s recipe (``<kind>-hspec/``,
    ``<kind>-dflash/``: the ``final/`` checkpoint, metrics, model card);
 5. per pair, acceptance per block position on the held-out prompts with bootstrap intervals and
-   capture records (``<kind>-<drafter>/eval.json``, ``records.jsonl.gz``).
+   capture records (``<kind>-<drafter>/eval.json``, ``records.jsonl.gz``);
+6. per pair, acceptance through vLLM on the held-out prompts and on prompts from outside the corpus
+   (``<kind>-<drafter>/acceptance_vllm.json``, ``accept.py``).
 
 Every stage writes its own outputs and is skipped when they exist (``--force`` redoes it), so an
 interrupted build resumes. Work files (captured hidden states, optimizer checkpoints) go to
@@ -40,8 +42,11 @@ class BuildSpec(BaseModel):
     targets: dict[str, TargetSize] = {"hybrid": HYBRID, "dense": DENSE}
     pretrain: PretrainSpec = PretrainSpec()
     drafters: list[str] = ["hspec", "dflash"]
-    num_train_prompts: int = 512
+    stdlib_root: str | None = None  # the corpus's Python standard library (default: this interpreter's)
+    num_train_prompts: int = 4096
     num_eval_prompts: int = 64
+    num_outside_prompts: int = 32
+    generation_batch_size: int = 128
     prompt_tokens: int = 96
     response_tokens: int = 128
     drafter_epochs: int = 4
@@ -62,12 +67,14 @@ def stage_corpus(spec: BuildSpec, force: bool = False):
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     split_path, tok_dir = out / SPLIT_FILE, out / "tokenizer"
+    root = Path(spec.stdlib_root) if spec.stdlib_root else None
     if split_path.exists() and not force:
-        split, bad = load_split(split_path)
+        split, bad = load_split(split_path, root)
         if bad:
-            print(f"{len(bad)} files of {split_path} are missing or differ on this machine: {bad[:5]} ...")
+            print(f"{len(bad)} files of {split_path} are missing or differ under {split.root}; prompts come "
+                  f"from the other {len(split.train)} + {len(split.heldout)}: {bad[:5]} ...")
     else:
-        split = build_split(heldout_percent=spec.heldout_percent)
+        split = build_split(root, heldout_percent=spec.heldout_percent)
         save_split(split, split_path)
     if (tok_dir / "tokenizer.json").exists() and not force:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -129,7 +136,7 @@ def greedy_sample(model, tokenizer, device, prompt: str = GREEDY_PROMPT, max_new
 
 def build_all(spec: BuildSpec, stages: list[str] | None = None, force: bool = False) -> None:
     """Run the stages (default: all) in order."""
-    stages = stages or ["corpus", "targets", "prompts", "drafters", "evaluate"]
+    stages = stages or ["corpus", "targets", "prompts", "drafters", "evaluate", "accept"]
     t0 = time.perf_counter()
     split, tokenizer = stage_corpus(spec, force and "corpus" in stages)
     if "targets" in stages:
@@ -151,6 +158,12 @@ def build_all(spec: BuildSpec, stages: list[str] | None = None, force: bool = Fa
         for kind in spec.targets:
             for drafter in spec.drafters:
                 stage_evaluate(spec, kind, drafter, force)
+    if "accept" in stages:
+        from vllm_hybridspec.train.reference.accept import stage_accept
+
+        for kind in spec.targets:
+            for drafter in spec.drafters:
+                stage_accept(spec, kind, drafter, force)
     print(f"done in {time.perf_counter() - t0:.0f} s; outputs in {spec.out_dir}")
 
 
