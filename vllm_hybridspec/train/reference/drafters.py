@@ -67,6 +67,15 @@ def matched_dflash_layers(target_path: str | Path, hspec_params: int, mask_token
     return best[0]
 
 
+def thin_metrics(src: Path, dst: Path, every: int = 10) -> None:
+    """The training log for the model directory: every ``every``-th training step, the last one, and
+    every validation row (the full log stays in the work directory)."""
+    lines = src.read_text().splitlines()
+    train = [i for i, line in enumerate(lines) if '"train"' in line]
+    keep = {i for n, i in enumerate(train) if n % every == 0} | set(train[-1:])
+    dst.write_text("".join(line + "\n" for i, line in enumerate(lines) if i in keep or '"train"' not in line))
+
+
 def stage_drafter(spec, kind: str, drafter: str, force: bool = False) -> Path:
     """Train ``drafter`` for target ``kind``; export ``final/`` in bf16 to ``<out_dir>/<kind>-<drafter>``."""
     import torch
@@ -107,6 +116,6 @@ def stage_drafter(spec, kind: str, drafter: str, force: bool = False) -> Path:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     summary = {**result.summary, "train_seconds": seconds, "device": device}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    shutil.copy(work / "metrics.jsonl", out / "metrics.jsonl")
+    thin_metrics(work / "metrics.jsonl", out / "metrics.jsonl")
     (out / "recipe.yaml").write_text(recipe.to_yaml())
     return out

@@ -129,13 +129,16 @@ def rounds_from_drafts(
     return rounds
 
 
+SIGNAL_DECIMALS = 4  # the records' signals are kept to 1e-4: the policy's bins are far coarser
+
+
 def to_records(rounds: list[Round]):
     from vllm_hybridspec.policy.records import RoundRecord
 
     return [
         RoundRecord(
-            conf=[min(1.0, max(0.0, c)) for c in r.conf],
-            ent=[max(0.0, e) for e in r.ent],
+            conf=[round(min(1.0, max(0.0, c)), SIGNAL_DECIMALS) for c in r.conf],
+            ent=[round(max(0.0, e), SIGNAL_DECIMALS) for e in r.ent],
             accepted=r.accepted,
             truncated=r.truncated,
             remaining=r.remaining,
