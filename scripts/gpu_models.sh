@@ -2,7 +2,7 @@
 # Build the reference models on the GPU machine, resumably, in calls of at most 10 minutes.
 # usage (after the vLLM bundle, the extras and `source scripts/device_setup.sh`):
 #   bash scripts/gpu_models.sh corpus targets        # then, in the next call of the same lease:
-#   bash scripts/gpu_models.sh prompts drafters evaluate
+#   bash scripts/gpu_models.sh prompts drafters evaluate accept
 # Outputs live in /tmp/hs-models (kept between calls of one lease) and come back as $OUT/models-<dir>.tar.
 set -uo pipefail
 M=/tmp/hs-models; W=/tmp/hs-work

@@ -58,3 +58,23 @@ def test_speculative_configs():
     assert spec_config("models", "hybrid", "hspec", 7) == {"method": "hspec", "model": "models/hybrid-hspec",
                                                             "num_speculative_tokens": 7}
     assert spec_config("m", "dense", "dflash", 7)["method"] == "dflash"
+
+
+def test_the_card_reports_the_acceptance_through_vllm(tmp_path):
+    """The committed H-Spec drafters' cards, rendered again from their files, carry the vLLM figures."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from vllm_hybridspec.train.reference.cards import drafter_card
+
+    models = Path(__file__).resolve().parents[2] / "models"
+    for pair in ("hybrid-hspec", "dense-hspec"):
+        d = tmp_path / pair
+        shutil.copytree(models / pair, d)
+        measured = json.loads((d / "acceptance_vllm.json").read_text())
+        card = drafter_card(d)
+        for name in ("heldout", "outside"):
+            assert f"**tau = {measured[name]['tau']:.3f}**" in card
+        (d / "acceptance_vllm.json").unlink()
+        assert "through vLLM" not in drafter_card(d)

@@ -97,22 +97,23 @@ def _vllm_section(out: Path) -> str:
         return ""
     a = json.loads(path.read_text())
     sets = [name for name in ("heldout", "outside") if name in a]
-    label = {"heldout": "held-out", "outside": "outside the corpus"}
+    label = {"heldout": "held-out prompts", "outside": "prompts from outside the corpus"}
     engine = a["engine"]
     head = " | ".join(f"{label[n]}: P(accepted >= k) [95%]" for n in sets)
+    head = head[0].upper() + head[1:]
     rows = "\n".join(
         f"| {k + 1} | " + " | ".join(f"{a[n]['alpha'][k]:.3f} [{a[n]['alpha_ci95'][k][0]:.3f}, "
                                      f"{a[n]['alpha_ci95'][k][1]:.3f}]" for n in sets) + " |"
         for k in range(len(a[sets[0]]["alpha"]))
     )
-    taus = "; ".join(f"{label[n]} prompts (`../prompts/{n}.jsonl`, {a[n]['prompts']}, {a[n]['rounds']} rounds): "
+    taus = "; ".join(f"{label[n]} (`../prompts/{n}.jsonl`, {a[n]['prompts']} prompts, {a[n]['rounds']} rounds): "
                      f"**tau = {a[n]['tau']:.3f}** [{a[n]['tau_ci95'][0]:.3f}, {a[n]['tau_ci95'][1]:.3f}]"
                      for n in sets)
+    taus = taus[0].upper() + taus[1:]
     return f"""
 ## Acceptance through vLLM
 
-The pair served by vLLM ({engine['dtype']}, {'eager' if engine['enforce_eager'] else 'CUDA graphs'}), every draft
-verified, greedy, {a['max_tokens']} tokens per prompt, one prompt at a time; per prompt vLLM's spec-decode counters
+The pair served by vLLM ({engine['dtype']}, {'eager' if engine['enforce_eager'] else 'CUDA graphs'}), every draft verified, greedy, {a['max_tokens']} tokens per prompt, one prompt at a time; per prompt vLLM's spec-decode counters
 (`num_drafts`, `num_accepted_tokens_per_pos`), 95% intervals resampling prompts (`acceptance_vllm.json`,
 `train/reference/accept.py`). {taus}.
 
