@@ -102,20 +102,17 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
     prompts at once, and ``bs1_prompts`` one at a time), their ratio and the acceptance length, and
     return whether every output is identical to plain decoding."""
     from vllm_hybridspec.tools.compare import CompareSettings, run_all
-    from vllm_hybridspec.tools.engine_args import EngineOptions, PromptOptions
+    from vllm_hybridspec.tools.engine_args import PromptOptions
 
     target, drafter = models_dir / kind, models_dir / f"{kind}-hspec"
     missing = [str(p) for p in (target, drafter, models_dir / "prompts" / "heldout.jsonl") if not p.exists()]
     if missing:
         raise FileNotFoundError(f"reference models not found: {missing}; they are committed under models/ "
                                 "(or rebuild them with `make models`)")
+    from vllm_hybridspec.train.reference.accept import engine_options
+
     on_gpu = torch.cuda.is_available()
-    extra = {"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}  # the one-slot layer's fp32 state
-    if on_gpu and kind == "hybrid":
-        extra["additional_config"] = {"gdn_prefill_backend": "triton"}
-    engine = EngineOptions(model=str(target), dtype="bfloat16" if on_gpu else "float32", max_model_len=512,
-                           max_num_seqs=8, gpu_memory_utilization=0.3 if on_gpu else None,
-                           enforce_eager=not on_gpu, engine_args=extra)
+    engine = engine_options(models_dir, kind, max_num_seqs=8)
     prompts = PromptOptions(prompts=models_dir / "prompts" / "heldout.jsonl", num_prompts=num_prompts).load(str(target))
     settings = CompareSettings(max_tokens=max_tokens, bs1_prompts=min(bs1_prompts, len(prompts)))
     spec = {"method": "hspec", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}

