@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -60,11 +62,28 @@ def test_speculative_configs():
     assert spec_config("m", "dense", "dflash", 7)["method"] == "dflash"
 
 
+def test_a_pair_vllm_cannot_serve_is_skipped_with_a_reason(tmp_path, capsys):
+    """DFlash on the hybrid target (GDN layers): no engine is started, nothing is written, one line says
+    why; the committed pairs vLLM serves are measured."""
+    from vllm_hybridspec.train.reference.accept import servable, stage_accept
+    from vllm_hybridspec.train.reference.pipeline import BuildSpec
+
+    models = Path(__file__).resolve().parents[2] / "models"
+    assert servable(models, "hybrid", "dflash") is not None
+    assert [servable(models, k, d) for k, d in (("hybrid", "hspec"), ("dense", "hspec"), ("dense", "dflash"))] == [None] * 3
+    (tmp_path / "hybrid").mkdir()
+    shutil.copy(models / "hybrid" / "config.json", tmp_path / "hybrid" / "config.json")
+    (tmp_path / "hybrid-dflash").mkdir()
+    assert stage_accept(BuildSpec(out_dir=str(tmp_path)), "hybrid", "dflash") is None
+    assert list((tmp_path / "hybrid-dflash").iterdir()) == []
+    assert capsys.readouterr().out.strip() == (
+        "hybrid-dflash: not measured through vLLM: vLLM 0.26 serves DFlash only on targets whose layers share "
+        "one KV-cache group (this one has GDN layers)")
+
+
 def test_the_card_reports_the_acceptance_through_vllm(tmp_path):
     """The committed H-Spec drafters' cards, rendered again from their files, carry the vLLM figures."""
     import json
-    import shutil
-    from pathlib import Path
 
     from vllm_hybridspec.train.reference.cards import drafter_card
 

@@ -104,12 +104,28 @@ def measure(out_dir: str | Path, kind: str, drafter: str, sets: dict[str, Path],
     return result
 
 
-def stage_accept(spec, kind: str, drafter: str, force: bool = False) -> Path:
-    """``<out_dir>/<kind>-<drafter>/acceptance_vllm.json`` (and the card rewritten with it)."""
+def servable(out_dir: str | Path, kind: str, drafter: str) -> str | None:
+    """Why vLLM 0.26 cannot serve the pair, or None. Its DFlash proposer needs every drafting layer in
+    the target's one KV-cache group, which a target with GDN layers (several groups) never has: the
+    engine stops at start with ``AssertionError: All drafting layers should belong to the same kv cache
+    group`` (``vllm.v1.spec_decode.llm_base_proposer.validate_same_kv_cache_group``)."""
+    layer_types = json.loads((Path(out_dir) / kind / "config.json").read_text()).get("layer_types") or []
+    if drafter == "dflash" and "linear_attention" in layer_types:
+        return "vLLM 0.26 serves DFlash only on targets whose layers share one KV-cache group (this one has GDN layers)"
+    return None
+
+
+def stage_accept(spec, kind: str, drafter: str, force: bool = False) -> Path | None:
+    """``<out_dir>/<kind>-<drafter>/acceptance_vllm.json`` (and the card rewritten with it); None, with a
+    line saying why, for a pair vLLM cannot serve (:func:`servable`)."""
     out = Path(spec.out_dir) / f"{kind}-{drafter}"
     path = out / "acceptance_vllm.json"
     if path.exists() and not force:
         return path
+    reason = servable(spec.out_dir, kind, drafter)
+    if reason is not None:
+        print(f"{kind}-{drafter}: not measured through vLLM: {reason}", flush=True)
+        return None
     block = json.loads((out / "config.json").read_text())["block_size"]
     prompts = Path(spec.out_dir) / "prompts"
     sets = {name: prompts / f"{name}.jsonl" for name in PROMPT_SETS if (prompts / f"{name}.jsonl").exists()}
