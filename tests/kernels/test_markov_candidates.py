@@ -2,9 +2,11 @@
 interpreter on the CPU) against the float64 reference on fresh random inputs, with the check of
 ``markov_check.mismatches``: where a small bias keeps every greedy token among the ``M`` best of its
 position's logits the candidates resolve every position; where a large bias often moves it out of
-them the per-position kernels finish the rows, exactly. Two planted bugs of the scheme are caught
-by the same check: a resolution reading the neighbouring candidate's column, and a fallback taking
-its first position's previous token from summaries never computed instead of the resolved token."""
+them the per-position kernels finish those positions, exactly, and a request runs a pass at exactly
+the positions whose previous token is none of their candidates. Three planted bugs of the scheme
+are caught by the same check: a resolution reading the neighbouring candidate's column, a fallback
+taking its first position's previous token from summaries never computed instead of the resolved
+token, and a chain picked up again after a pass from the wrong candidate's column."""
 
 from __future__ import annotations
 
@@ -34,13 +36,30 @@ def random_case(gen, N, K, V, R, dtype, bias, scale=3.0):
     return logits, anchors, w1, w2
 
 
-def run(logits, anchors, w1, w2, M, **launch):
+def run(logits, anchors, w1, w2, M, passes=None, **launch):
     first = torch.full((logits.shape[0],), -1, dtype=torch.int32)
-    got = markov_heads(logits, anchors, w1, w2, candidates=M, first_unresolved=first, **launch)
+    got = markov_heads(logits, anchors, w1, w2, candidates=M, first_unresolved=first, passes=passes, **launch)
     ref = markov_heads_reference(logits, anchors, w1, w2)
     margins = top2_margins(logits, ref.tokens, anchors, w1, w2)
     assert got.tokens.dtype == torch.int64 and got.top1_prob.dtype == got.entropy.dtype == torch.float32
     return got, ref, margins, first
+
+
+def expected_passes(logits, anchors, ref_tokens, M):
+    """``[N, K]`` bool: position ``k`` of a row needs a pass where the reference's token at ``k - 1``
+    is none of the position's ``M`` candidates (the same ``candidate_tokens``)."""
+    N, K, _ = logits.shape
+    cand = candidate_tokens(logits, anchors, M)
+    need = torch.zeros(N, K, dtype=torch.bool)
+    for k in range(1, K):
+        block = cand[:, 1 + (k - 1) * M:1 + k * M]
+        need[:, k] = ~(block == ref_tokens[:, k - 1:k]).any(dim=1)
+    return need
+
+
+def untied_rows(margins):
+    """Rows without a near-tie at any position (their chains are the reference's all the way)."""
+    return [n for n in range(margins.shape[0]) if bool((margins[n] >= TIE_GAP).all())]
 
 
 @pytest.mark.parametrize(("N", "K", "V", "R", "dtype", "M", "launch"), [
@@ -70,10 +89,37 @@ def test_rows_past_the_candidates_fall_back_exactly(N, K, V, R, dtype, M, launch
     best, so rows leave the candidates and finish in the per-position kernels."""
     gen = torch.Generator().manual_seed(fresh_seed("markov candidates"))
     logits, anchors, w1, w2 = random_case(gen, N, K, V, R, dtype, bias=4.0, scale=1.0)
-    got, ref, margins, first = run(logits, anchors, w1, w2, M, **launch)
+    passes = torch.full((N, K), -1, dtype=torch.int32)
+    got, ref, margins, first = run(logits, anchors, w1, w2, M, passes=passes, **launch)
     assert bool(((first >= 1) & (first <= K)).all())
     assert int((first < K).sum()) >= 1, f"no row fell back (first unresolved {first.tolist()})"
     assert mismatches(got, ref, margins) == []
+    need = expected_passes(logits, anchors, ref.tokens, M)
+    rows = untied_rows(margins)
+    assert len(rows) >= N // 2
+    assert passes[rows].bool().tolist() == need[rows].tolist()  # a pass exactly where a row misses
+    assert set(passes.flatten().tolist()) <= {0, 1}
+
+
+@pytest.mark.parametrize(("N", "K", "V", "R", "dtype", "M", "launch"), [
+    (1, 15, 400, 16, torch.float32, 8, dict(BV=32, programs=3)),
+    (6, 12, 500, 32, torch.bfloat16, 4, dict(BV=32, programs=5)),
+])
+def test_a_row_picks_the_candidates_up_again_after_a_pass(N, K, V, R, dtype, M, launch):
+    """A bias that moves the greedy token out of the candidates at some positions only: after a
+    pass the next positions resolve from the candidates again, and the outputs are exact."""
+    gen = torch.Generator().manual_seed(fresh_seed("markov candidates"))
+    logits, anchors, w1, w2 = random_case(gen, N, K, V, R, dtype, bias=1.2, scale=1.0)
+    passes = torch.full((N, K), -1, dtype=torch.int32)
+    got, ref, margins, first = run(logits, anchors, w1, w2, M, passes=passes, **launch)
+    assert mismatches(got, ref, margins) == []
+    picked_up = [(n, k) for n in range(N) for k in range(int(first[n]) + 1, K) if int(passes[n, k]) == 0]
+    assert picked_up, f"no row resolved a position after a pass (passes {passes.tolist()})"
+    rows = untied_rows(margins)
+    need = expected_passes(logits, anchors, ref.tokens, M)
+    assert passes[rows].bool().tolist() == need[rows].tolist()
+    after = int(sum(K - int(first[n]) for n in range(N)))  # the passes of a fallback from the first miss on
+    assert int(passes.sum()) < after, (int(passes.sum()), after)
 
 
 def test_no_markov_head_and_a_single_position():
@@ -107,6 +153,11 @@ def test_candidate_columns_and_arguments():
         markov_heads(logits, anchors, w1, w2, candidates=51)
     with pytest.raises(ValueError, match=r"first_unresolved must be \[N=2\] int32"):
         markov_heads(logits, anchors, w1, w2, candidates=2, first_unresolved=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"passes must be \[N=2, K=4\] int32"):
+        markov_heads(logits, anchors, w1, w2, candidates=2, passes=torch.zeros(2, 3, dtype=torch.int32))
+    passes = torch.zeros(N, K, dtype=torch.int32)
+    markov_heads(logits, anchors, w1, w2, passes=passes, BV=16, programs=2)
+    assert passes.tolist() == [[1] * K] * N  # without candidates every position is a pass
 
 
 # the planted bug 2 merges zeroed summaries (Z = 0): its signals are inf / nan, as a wrong head's may be
@@ -136,3 +187,16 @@ def test_the_check_catches_planted_candidate_bugs(monkeypatch):
     monkeypatch.setattr(heads, "_PLANTED", 2)
     got, *_ = run(logits, anchors, w1, w2, 2, **launch)
     assert len(mismatches(got, ref, margins)) >= fell_back // 2
+
+    # 3. after a pass, the chain picked up again from the first column of the position's candidates,
+    # whichever matched
+    monkeypatch.setattr(heads, "_PLANTED", 0)
+    N, K = 6, 12
+    logits, anchors, w1, w2 = random_case(gen, N, K, V, R, torch.float32, bias=1.2, scale=1.0)
+    passes = torch.zeros(N, K, dtype=torch.int32)
+    got, ref, margins, first = run(logits, anchors, w1, w2, 4, passes=passes, **launch)
+    picked_up = sum(1 for n in range(N) for k in range(int(first[n]) + 1, K) if int(passes[n, k]) == 0)
+    assert mismatches(got, ref, margins) == [] and picked_up >= N
+    monkeypatch.setattr(heads, "_PLANTED", 3)
+    got, *_ = run(logits, anchors, w1, w2, 4, **launch)
+    assert len(mismatches(got, ref, margins)) >= N // 2

@@ -18,8 +18,11 @@ the floor for a bias that depends on the token drafted just before.
 
 With ``candidates`` the positions share one pass over ``W2``: every position is computed for each of
 a few candidate previous tokens (the best tokens of the previous position's logits) in one
-``tl.dot`` per tile, a small kernel follows each request's chain through the candidates, and the
-per-position kernels run only from a request's first position whose previous token was no candidate.
+``tl.dot`` per tile, a small kernel follows each request's chain through the candidates, and a
+request runs a per-position pass only where the token drafted before is none of the position's
+candidates: at its first such position and, the chain picked up again from the token that pass
+drafted, at each later one (on the trained reference drafters the token drafted before is among the
+8 best of the previous position's logits at 86-92 % of positions, ``docs/benchmarks/cpu-2026-12-05``).
 
 From the merged summary ``(M, Z = sum exp(x - M), T = sum exp(x - M)(x - M))``: the greedy token's
 probability is ``1 / Z`` and the entropy ``log Z - T / Z``.
@@ -42,7 +45,8 @@ MERGE_ROWS = 16  # columns per program of the candidates' merge
 RESOLVE_ROWS = 16  # requests per program of the resolution
 # the tests' negative controls plant a bug here: 1 resolves a position from the neighbouring
 # candidate's column, 2 takes the first unresolved position's previous token from the per-position
-# summaries (never computed for it) instead of the token the candidates resolved
+# summaries (never computed for it) instead of the token the candidates resolved, 3 picks the chain up
+# again after a pass from the first column of the position's candidates, whichever one matched
 _PLANTED = 0
 
 
@@ -111,57 +115,83 @@ def _markov_position_kernel(
     logits, stride_ln, stride_lv,  # [N, V] rows of this position, in the LM head's dtype
     anchors,  # [N] int: the previous token at the first position
     first_unresolved,  # [N] int32 (with FALLBACK): rows before it are already drafted
+    cand, col_token, col_top1, col_entropy,  # [N * C] (with FALLBACK): the candidate columns
+    passes, stride_p,  # [N, K] int32 (with FALLBACK): 1 where the row's position ran a pass here
     w1, w2, stride_w1, stride_w2,  # [V_prev, R], [V, R]: the Markov head (unused without HAS_MARKOV)
     part_m, part_s, part_t, part_i,  # [K, N, NB] slice summaries: fp32 x 3, int32
     tokens, top1, entropy, stride_on,  # [N, K] outputs: int64, fp32, fp32
-    k, N, V, R, NB,
+    k, N, V, R, NB, C, M,
     FIRST: tl.constexpr, HAS_MARKOV: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, NBP: tl.constexpr,
     BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    FALLBACK: tl.constexpr = False, PLANTED: tl.constexpr = 0,
+    FALLBACK: tl.constexpr = False, MP: tl.constexpr = 2, PLANTED: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     o_n = tl.arange(0, NP)
     m_n = o_n < N
-    if FALLBACK:  # only the rows the candidates left unresolved at or before k
+    if FALLBACK:
+        # k >= 1. A row runs a pass at its first unresolved position and at every later position
+        # whose previous token is none of the position's candidates; elsewhere the candidate
+        # column whose previous token is the one drafted before gives the outputs.
         first = tl.load(first_unresolved + o_n, mask=m_n, other=0)
-        active = m_n & (first <= k)
-        carried = active & (first < k)  # rows whose position k - 1 ran here too
+        ran = tl.load(passes + o_n * stride_p + k - 1, mask=m_n & (first <= k - 1), other=0)
+        carried = m_n & (ran != 0)  # rows whose position k - 1 ran a pass: its token is merged here
+        at_first = m_n & (first == k)
+        later = m_n & (first < k)
+        if PLANTED == 2:
+            carried = carried | at_first
+        merged, p1, ent = _merge_partials(part_m, part_s, part_t, part_i, (k - 1) * N * NB + o_n * NB,
+                                          carried, NB, NBP)
+        known = tl.load(tokens + o_n * stride_on + k - 1, mask=m_n & ~carried, other=0)
+        prev = tl.where(carried, merged, known)
+        o_m = tl.arange(0, MP)
+        block = o_n * C + 1 + (k - 1) * M  # [NP]: the first column of this position's candidates
+        in_block = later[:, None] & (o_m[None, :] < M)
+        cands = tl.load(cand + block[:, None] + o_m[None, :], mask=in_block, other=-1)
+        j = tl.min(tl.where(in_block & (cands == prev[:, None]), o_m[None, :], MP), axis=1)
+        found = later & (j < MP)
+        active = at_first | (later & ~found)
+        if pid == 0:
+            tl.store(tokens + o_n * stride_on + k - 1, merged, mask=carried)  # the previous position's
+            tl.store(top1 + o_n * stride_on + k - 1, p1, mask=carried)
+            tl.store(entropy + o_n * stride_on + k - 1, ent, mask=carried)
+            col = block + tl.where(found, j, 0)
+            if PLANTED == 3:  # the block's first column, whichever candidate matched
+                col = block
+            tl.store(tokens + o_n * stride_on + k, tl.load(col_token + col, mask=found, other=0), mask=found)
+            tl.store(top1 + o_n * stride_on + k, tl.load(col_top1 + col, mask=found, other=0.0), mask=found)
+            tl.store(entropy + o_n * stride_on + k, tl.load(col_entropy + col, mask=found, other=0.0),
+                     mask=found)
+            tl.store(passes + o_n * stride_p + k, active.to(tl.int32), mask=m_n)
     else:
         active = m_n
-        carried = m_n
-    if tl.max(active.to(tl.int32), axis=0) > 0:
         if FIRST:
             prev = tl.load(anchors + o_n, mask=m_n, other=0).to(tl.int64)
         else:
-            merged = active if PLANTED == 2 else carried
             prev, p1, ent = _merge_partials(part_m, part_s, part_t, part_i, (k - 1) * N * NB + o_n * NB,
-                                            merged, NB, NBP)
+                                            m_n, NB, NBP)
             if pid == 0:  # the previous position's outputs
-                tl.store(tokens + o_n * stride_on + k - 1, prev, mask=carried)
-                tl.store(top1 + o_n * stride_on + k - 1, p1, mask=carried)
-                tl.store(entropy + o_n * stride_on + k - 1, ent, mask=carried)
-            if FALLBACK and PLANTED != 2:  # at the first unresolved position: the candidates' token
-                resolved = tl.load(tokens + o_n * stride_on + k - 1, mask=active & ~carried, other=0)
-                prev = tl.where(carried, prev, resolved)
+                tl.store(tokens + o_n * stride_on + k - 1, prev, mask=m_n)
+                tl.store(top1 + o_n * stride_on + k - 1, p1, mask=m_n)
+                tl.store(entropy + o_n * stride_on + k - 1, ent, mask=m_n)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
         if HAS_MARKOV:
             o_r = tl.arange(0, RP)
             e = tl.load(w1 + prev[:, None] * stride_w1 + o_r[None, :],
                         mask=active[:, None] & (o_r[None, :] < R), other=0.0)  # [NP, RP]: W1[prev]
             if UPCAST:
                 e = e.to(tl.float32)
-
+        else:
+            e = tl.zeros([NP, RP], tl.float32)
         run_m = tl.full([NP], float("-inf"), tl.float32)
         run_s = tl.zeros([NP], tl.float32)
         run_t = tl.zeros([NP], tl.float32)
         run_i = tl.zeros([NP], tl.int32)
-        if not HAS_MARKOV:
-            e = tl.zeros([NP, RP], tl.float32)
         # W2 streams through L2 (keeping a share of it there across positions was 4-8 % slower,
         # docs/benchmarks/h200-2026-12-04c)
-        for j in range(TILES):
+        for jt in range(TILES):
             run_m, run_s, run_t, run_i = _tile(
                 logits, o_n * stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, active,
-                pid * TILES + j, V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_first")
+                pid * TILES + jt, V, R, HAS_MARKOV, RP, BV, PREC, UPCAST, "evict_first")
         offs = k * N * NB + o_n * NB + pid
         tl.store(part_m + offs, run_m, mask=active)
         tl.store(part_s + offs, run_s, mask=active)
@@ -170,12 +200,14 @@ def _markov_position_kernel(
 
 
 @triton.jit
-def _markov_last_kernel(part_m, part_s, part_t, part_i, first_unresolved, tokens, top1, entropy, stride_on, k,
-                        N, NB, NP: tl.constexpr, NBP: tl.constexpr, FALLBACK: tl.constexpr = False):
+def _markov_last_kernel(part_m, part_s, part_t, part_i, first_unresolved, passes, stride_p, tokens, top1,
+                        entropy, stride_on, k, N, NB, NP: tl.constexpr, NBP: tl.constexpr,
+                        FALLBACK: tl.constexpr = False):
     o_n = tl.arange(0, NP)
     rows = o_n < N
-    if FALLBACK:
-        rows = rows & (tl.load(first_unresolved + o_n, mask=rows, other=0) <= k)
+    if FALLBACK:  # the rows whose last position ran a pass
+        first = tl.load(first_unresolved + o_n, mask=rows, other=0)
+        rows = rows & (tl.load(passes + o_n * stride_p + k, mask=rows & (first <= k), other=0) != 0)
     token, p1, ent = _merge_partials(part_m, part_s, part_t, part_i, k * N * NB + o_n * NB, rows, NB, NBP)
     tl.store(tokens + o_n * stride_on + k, token, mask=rows)
     tl.store(top1 + o_n * stride_on + k, p1, mask=rows)
@@ -240,6 +272,7 @@ def _column_merge_kernel(part_m, part_s, part_t, part_i, col_token, col_top1, co
 def _resolve_kernel(cand, col_token, col_top1, col_entropy,  # [N * C]: int64, int64, fp32, fp32
                     tokens, top1, entropy, stride_on,  # [N, K] outputs
                     first_unresolved,  # [N] int32 output
+                    passes, stride_p,  # [N, K] int32 output: position 0 (resolved) written here
                     N, C, M, K: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, PLANTED: tl.constexpr):
     """Walk each request's positions in order: position 0 is column 0; position ``k`` is the column
     whose candidate is the token drafted at ``k - 1``, until none is (``first_unresolved = k``, else
@@ -275,6 +308,7 @@ def _resolve_kernel(cand, col_token, col_top1, col_entropy,  # [N * C]: int64, i
         tl.store(top1 + o_n * stride_on + k, tl.sum(tl.where(sel, p1_all, 0.0), axis=1), mask=alive)
         tl.store(entropy + o_n * stride_on + k, tl.sum(tl.where(sel, ent_all, 0.0), axis=1), mask=alive)
     tl.store(first_unresolved + o_n, first, mask=m_n)
+    tl.store(passes + o_n * stride_p, tl.zeros([NP], tl.int32), mask=m_n)
 
 
 def launch_config(V: int, device: torch.device, BV: int = DEFAULT_BV, programs: int | None = None) -> dict:
@@ -292,7 +326,7 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
                  w2: torch.Tensor | None = None, *, BV: int = DEFAULT_BV, programs: int | None = None,
                  num_warps: int = 4, num_stages: int | None = None,
                  candidates: int = 0, columns_per_program: int = DEFAULT_CB, pass_warps: int = 8,
-                 first_unresolved: torch.Tensor | None = None) -> DraftHeads:
+                 first_unresolved: torch.Tensor | None = None, passes: torch.Tensor | None = None) -> DraftHeads:
     """The draft heads of :func:`.naive.markov_heads_reference` in ``K + 1`` launches, or with
     ``candidates`` (``M``) through one pass over ``W2`` for every position.
 
@@ -316,7 +350,11 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     request's positions through the columns whose candidate is the token drafted before. From the
     first position whose previous token is no candidate (``first_unresolved``, ``[N]`` int32,
     written when given; ``K`` when the candidates resolved every position) the request runs the
-    per-position kernels, whose programs return at once when none of their requests is left.
+    per-position kernel of that position, and of each later position whose previous token (now
+    known) is none of its candidates; at the others the column of that token gives the outputs.
+    ``passes`` (``[N, K]`` int32, written when given) marks the positions a request ran a
+    per-position pass at (every position without candidates); a per-position kernel none of whose
+    requests runs a pass returns without reading ``W2``.
     ``columns_per_program`` and ``pass_warps``: the candidate pass's column block and warps. Without
     a Markov head the positions are independent and the per-position kernels run as they are."""
     if (w1 is None) != (w2 is None):
@@ -336,6 +374,11 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
                              f"{first_unresolved.dtype}")
         if not use_candidates or N == 0 or K == 0:
             first_unresolved.fill_(K)
+    if passes is not None:
+        if passes.shape != (N, K) or passes.dtype != torch.int32:
+            raise ValueError(f"passes must be [N={N}, K={K}] int32, got {tuple(passes.shape)} {passes.dtype}")
+        if not use_candidates:
+            passes.fill_(1)
     if N == 0 or K == 0:
         return DraftHeads(tokens, top1, entropy)
     cfg = launch_config(V, device, BV, programs)
@@ -357,24 +400,28 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
     prec = "ieee" if has_markov and w1.dtype == torch.float32 else "tf32"
     upcast = os.environ.get("TRITON_INTERPRET") == "1" or not logits.is_cuda
     stages = {} if num_stages is None else {"num_stages": num_stages}
-    first = anchors  # unused pointer on the plain path
+    first = anchors  # unused pointers on the plain path
+    cols, C = (anchors,) * 4, 1
+    ran = tokens
     if use_candidates:
         first = (first_unresolved if first_unresolved is not None
                  else torch.empty(N, dtype=torch.int32, device=device))
-        _candidate_heads(logits, anchors, w1, w2, candidates, cfg, NB, RP, NBP, prec, upcast,
-                         columns_per_program, pass_warps, stages, tokens, top1, entropy, first)
+        ran = passes if passes is not None else torch.empty(N, K, dtype=torch.int32, device=device)
+        cols, C = _candidate_heads(logits, anchors, w1, w2, candidates, cfg, NB, RP, NBP, prec, upcast,
+                                   columns_per_program, pass_warps, stages, tokens, top1, entropy, first, ran)
+    MP = max(2, triton.next_power_of_2(max(candidates, 1)))
     for k in range(1 if use_candidates else 0, K):
         row = logits[:, k]
         _markov_position_kernel[(NB,)](
-            row, row.stride(0), row.stride(1), anchors, first, w1_, w2_, w1_.stride(0), w2_.stride(0),
-            parts[0], parts[1], parts[2], part_i, tokens, top1, entropy, tokens.stride(0),
-            k, N, V, R, NB, FIRST=k == 0, HAS_MARKOV=has_markov, NP=NP, RP=RP, NBP=NBP, PREC=prec,
-            UPCAST=upcast, FALLBACK=use_candidates, PLANTED=_PLANTED, num_warps=num_warps,
-            **stages, **cfg)
+            row, row.stride(0), row.stride(1), anchors, first, *cols, ran, ran.stride(0), w1_, w2_,
+            w1_.stride(0), w2_.stride(0), parts[0], parts[1], parts[2], part_i, tokens, top1, entropy,
+            tokens.stride(0), k, N, V, R, NB, C, max(candidates, 1), FIRST=k == 0, HAS_MARKOV=has_markov,
+            NP=NP, RP=RP, NBP=NBP, PREC=prec, UPCAST=upcast, FALLBACK=use_candidates, MP=MP,
+            PLANTED=_PLANTED, num_warps=num_warps, **stages, **cfg)
     if K > 1 or not use_candidates:
-        _markov_last_kernel[(1,)](parts[0], parts[1], parts[2], part_i, first, tokens, top1, entropy,
-                                  tokens.stride(0), K - 1, N, NB, NP=NP, NBP=NBP, FALLBACK=use_candidates,
-                                  num_warps=num_warps)
+        _markov_last_kernel[(1,)](parts[0], parts[1], parts[2], part_i, first, ran, ran.stride(0), tokens, top1,
+                                  entropy, tokens.stride(0), K - 1, N, NB, NP=NP, NBP=NBP,
+                                  FALLBACK=use_candidates, num_warps=num_warps)
     return DraftHeads(tokens, top1, entropy)
 
 
@@ -391,9 +438,10 @@ def candidate_tokens(logits: torch.Tensor, anchors: torch.Tensor, candidates: in
 
 
 def _candidate_heads(logits, anchors, w1, w2, M, cfg, NB, RP, NBP, prec, upcast, columns_per_program,
-                     pass_warps, stages, tokens, top1, entropy, first):
+                     pass_warps, stages, tokens, top1, entropy, first, passes):
     """The candidate pass, its merge and the resolution (:func:`markov_heads` with ``candidates``):
-    writes the resolved positions' outputs and ``first``."""
+    writes the resolved positions' outputs, ``first`` and ``passes[:, 0]``; returns the columns
+    (``cand``, their tokens, top-1 probabilities and entropies, each ``[N * C]``) and ``C``."""
     N, K, V = logits.shape
     R = w1.shape[1]
     device = logits.device
@@ -415,5 +463,6 @@ def _candidate_heads(logits, anchors, w1, w2, M, cfg, NB, RP, NBP, prec, upcast,
         NBP=NBP)
     NPR = max(2, min(RESOLVE_ROWS, triton.next_power_of_2(N)))
     _resolve_kernel[(triton.cdiv(N, NPR),)](
-        cand, col_token, col_top1, col_entropy, tokens, top1, entropy, tokens.stride(0), first, N, C, M, K=K,
-        NP=NPR, CP=max(2, triton.next_power_of_2(C)), PLANTED=_PLANTED)
+        cand, col_token, col_top1, col_entropy, tokens, top1, entropy, tokens.stride(0), first, passes,
+        passes.stride(0), N, C, M, K=K, NP=NPR, CP=max(2, triton.next_power_of_2(C)), PLANTED=_PLANTED)
+    return (cand, col_token, col_top1, col_entropy), C

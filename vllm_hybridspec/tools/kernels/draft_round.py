@@ -12,11 +12,14 @@ them from the target's paged cache, a read of the same size). For each batch siz
   ``HSpecForVLLM.draft_heads`` runs on the CPU, and ran on CUDA before the kernel);
 * ``heads_fused``: ``kernels.markov.markov_heads`` over the bf16 logits;
 * ``heads_candidates``: the same with ``candidates = M`` (``--candidates``, 8 by default): one pass
-  over ``W2`` for every position through the top-M previous tokens, the per-position kernels only
-  past a request's first unresolved position; the fraction of positions 1 .. K-1 the candidates
-  resolved is logged and kept (``resolved``);
+  over ``W2`` for every position through the top-M previous tokens, a per-position pass only where a
+  request's previous token is none of the position's candidates; kept with it: the fraction of
+  positions 1 .. K-1 before each request's first such position (``resolved``), the fraction of
+  positions 1 .. K-1 a request ran a pass at (``missed``) and the per-position kernels per round
+  that read ``W2`` (``w2_passes``: positions where any request ran one);
 * ``round_torch`` / ``round_fused`` / ``round_candidates``: layers, LM head and heads together, as the
-  engine's round graph replays them;
+  engine's round graph replays them; ``round_grouped_candidates``: the grouped-attention layers with
+  the candidate heads;
 * ``layers_fused_norms`` / ``round_fused_norms``: the layers with every RMS norm as one kernel
   (``drafter.fused.fuse_norms``; what ``"drafter_fused_norms": true`` runs in the engine), alone and
   with the LM head and the fused heads;
@@ -26,9 +29,10 @@ them from the target's paged cache, a read of the same size). For each batch siz
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
   head and the fused heads; ``round_compiled_candidates``: with the candidate heads instead;
-* ``--markov-scales``: the candidate heads and ``round_compiled_candidates`` again with the Markov
+* ``--markov-scales``: the candidate heads and ``round_grouped_candidates`` again with the Markov
   bias scaled down (random weights make it as large as the logits, so few positions resolve; a
-  trained head's bias is a correction), each with the fraction resolved (``scaled``);
+  trained head's bias is smaller: on the reference drafters 7.5-14 % of positions miss with M = 8,
+  ``docs/benchmarks/cpu-2026-12-05``), each with ``resolved``, ``missed`` and ``w2_passes`` (``scaled``);
 * ``floor``: the bytes a round must read (the drafter's own weights, the LM head once, the Markov
   ``W2`` once per position, the prefix K/V) over the read bandwidth measured in the same run
   (:func:`.timing.read_bandwidth`).
@@ -138,6 +142,7 @@ class Round:
         self.launch: dict = {}
         self.candidates = DEFAULT_CANDIDATES
         self.first_unresolved = torch.empty(B, dtype=torch.int32, device=device)  # written in the graph
+        self.passes = torch.empty(B, L - 1, dtype=torch.int32, device=device)  # likewise
 
     def layers(self):
         m = self.model
@@ -187,12 +192,22 @@ class Round:
         mh = self.model.markov_head
         return markov_heads(self.logits, self.anchors, mh.markov_w1.weight, mh.markov_w2.weight,
                             candidates=self.candidates, first_unresolved=self.first_unresolved,
-                            **(launch or self.launch))
+                            passes=self.passes, **(launch or self.launch))
 
     def resolved(self) -> float:
-        """The fraction of positions 1 .. K-1 that the last candidate heads resolved (a host read)."""
+        """The fraction of positions 1 .. K-1 before each request's first unresolved position in the
+        last candidate heads (a host read)."""
         K = self.L - 1
         return float((self.first_unresolved.long() - 1).sum()) / max(1, self.B * (K - 1))
+
+    def pass_stats(self) -> dict[str, float]:
+        """Of the last candidate heads: ``resolved``, ``missed`` (the fraction of positions 1 .. K-1 a
+        request ran a per-position pass at) and ``w2_passes`` (positions where any request did: the
+        per-position kernels that read ``W2``)."""
+        K = self.L - 1
+        ran = self.passes[:, 1:].bool()
+        return {"resolved": self.resolved(), "missed": float(ran.float().sum()) / max(1, self.B * (K - 1)),
+                "w2_passes": int(ran.any(dim=0).sum())}
 
     def round_torch(self):
         self.layers()
@@ -226,6 +241,11 @@ class Round:
 
     def round_compiled_candidates(self):
         self.layers_compiled()
+        self.lm_head()
+        return self.heads_candidates()
+
+    def round_grouped_candidates(self):
+        self.layers_grouped()
         self.lm_head()
         return self.heads_candidates()
 
@@ -355,22 +375,25 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
             for part in ("layers", "layers_fused_norms", "layers_grouped", "layers_compiled", "lm_head", "heads_torch",
                          "heads_fused", "heads_candidates", "round_torch", "round_fused", "round_fused_norms",
-                         "round_grouped", "round_candidates", "round_compiled", "round_compiled_candidates"):
+                         "round_grouped", "round_candidates", "round_compiled", "round_compiled_candidates",
+                         "round_grouped_candidates"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
-            row["resolved"] = r.resolved()  # of the last replay of round_compiled_candidates
+            row.update(r.pass_stats())  # of the last replay of round_grouped_candidates
             row["scaled"] = scaled_markov(r, markov_scales, lambda fn: graph_ms(fn, samples, replays).ms)
             nbytes = round_bytes(model, B, capacity)
             row["bytes"] = nbytes
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
             row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"], row["round_grouped_ms"],
                                           row["round_candidates_ms"], row["round_compiled_ms"],
-                                          row["round_compiled_candidates_ms"]) / row["floor_ms"]
+                                          row["round_compiled_candidates_ms"],
+                                          row["round_grouped_candidates_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
                 + f" ms; best round / floor {row['round_over_floor']:.2f}; candidates (M = {candidates}) "
-                f"resolved {row['resolved']:.3f}")
+                f"resolved {row['resolved']:.3f}, missed {row['missed']:.3f}, W2 passes {row['w2_passes']}")
             for x in row["scaled"]:
                 log(f"B={B}: Markov bias x{x['scale']}: heads (candidates) {x['heads_candidates_ms']:.3f} ms, round "
-                    f"(compiled layers, candidates) {x['round_compiled_candidates_ms']:.3f} ms, resolved {x['resolved']:.3f}")
+                    f"(grouped layers, candidates) {x['round_grouped_candidates_ms']:.3f} ms, resolved "
+                    f"{x['resolved']:.3f}, missed {x['missed']:.3f}, W2 passes {x['w2_passes']}")
             if B in (1, 4):
                 for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
                                 ("kernels_grouped", r.round_grouped),
@@ -388,8 +411,7 @@ def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], fl
     """The candidate heads with the Markov bias scaled by each of ``scales`` (``W1`` multiplied in place,
     then restored): random weights make the bias as large as the LM head's logits, so the candidates
     resolve few positions; a trained head's bias is a correction, which a smaller scale stands in
-    for. ``time_ms(fn)``: one call's time (CUDA graphs in :func:`run`); with the fraction of positions
-    1 .. K-1 resolved."""
+    for. ``time_ms(fn)``: one call's time (CUDA graphs in :func:`run`); with :meth:`Round.pass_stats`."""
     w1 = r.model.markov_head.markov_w1.weight
     original = w1.detach().clone()
     out = []
@@ -397,9 +419,9 @@ def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], fl
         for s in scales:
             w1.copy_(original * s)
             row = {"scale": s}
-            for part in ("heads_candidates", "round_compiled_candidates"):
+            for part in ("heads_candidates", "round_grouped_candidates"):
                 row[f"{part}_ms"] = time_ms(getattr(r, part))
-            row["resolved"] = r.resolved()
+            row.update(r.pass_stats())
             out.append(row)
     finally:
         w1.copy_(original)
@@ -409,15 +431,16 @@ def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], fl
 def format_table(rows: list[dict]) -> str:
     head = ("| B | layers | layers (fused norms) | layers (grouped attention) | layers (compiled) | LM head | "
             "heads (torch) | heads (fused) | heads (candidates) | resolved | round (torch) | round (fused) | "
-            "round (fused norms) | round (grouped attention) | round (candidates) | round (compiled layers) | floor | "
-            "best / floor |")
-    lines = [head, "|" + "---|" * 18]
+            "round (fused norms) | round (grouped attention) | round (candidates) | round (compiled layers) | "
+            "round (grouped, candidates) | W2 passes | floor | best / floor |")
+    lines = [head, "|" + "---|" * 20]
     for r in rows:
         lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_fused_norms_ms']:.3f} | "
                      f"{r['layers_grouped_ms']:.3f} | {r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
                      f"{r['heads_fused_ms']:.3f} | {r['heads_candidates_ms']:.3f} | {r['resolved']:.3f} | "
                      f"{r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | {r['round_fused_norms_ms']:.3f} | "
                      f"{r['round_grouped_ms']:.3f} | "
-                     f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | "
+                     f"{r['round_grouped_candidates_ms']:.3f} | {r['w2_passes']} | {r['floor_ms']:.3f} | "
                      f"{r['round_over_floor']:.2f} |")
     return "\n".join(lines)
