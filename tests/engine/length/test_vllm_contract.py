@@ -136,7 +136,8 @@ def test_symbols_the_device_cut_relies_on_keep_their_shape():
     """``engine/length/cut.py``: the rejection sampler samples the bonus tokens once per step from
     ``logits[metadata.bonus_logits_indices]`` with ``predict_bonus_token=True`` and hands the sampled ids
     last to ``_get_logprobs_tensors``; the runner's ``_sample`` calls it with the metadata it is given;
-    the MoE runner routes inside ``_apply_quant_method(hidden_states, router_logits, ...)``; the runner
+    the MoE runner routes inside ``_apply_quant_method(hidden_states, router_logits, ...)`` and knows its
+    top-k (``moe_config.experts_per_token``) and layer name; the runner
     buffers and forward-context functions the plan reads exist."""
     import dataclasses
     import inspect
@@ -165,6 +166,12 @@ def test_symbols_the_device_cut_relies_on_keep_their_shape():
     assert params(MoERunner._apply_quant_method)[:3] == ["self", "hidden_states", "router_logits"]
     impl = inspect.getsource(MoERunner._forward_impl)
     assert "self._apply_quant_method(" in impl and "router_logits=router_logits" in impl
+    # the calibration capture's expert ids: the MoE runner's config and layer name
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+
+    assert "experts_per_token" in {f.name for f in dataclasses.fields(FusedMoEConfig)}
+    runner_init = inspect.getsource(MoERunner.__init__)
+    assert "self.moe_config = moe_config" in runner_init and "self.layer_name = layer_name" in runner_init
     init = inspect.getsource(GPUModelRunner.__init__)
     for buffer in ("self.query_start_loc =", "self.num_decode_draft_tokens =", "self.max_num_tokens =",
                    "self.rejection_sampler ="):

@@ -79,6 +79,7 @@ class RunnerDFlashProposer(DFlashProposer):
             self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
             if runner is not None:
                 state_of(runner).capture = self.round_capture
+                self.round_capture.bind_routers(runner.compilation_config.static_all_moe_layers, runner.max_num_tokens)
 
     def _records_signals(self) -> bool:
         wanted = self.round_capture is not None or (self.length_selector is not None and self.length_selector.trims)

@@ -185,12 +185,6 @@ def cut_of(runner) -> StepCut | None:
     return None if state is None else state.cut
 
 
-def cut_of_forward() -> StepCut | None:
-    """The :class:`StepCut` of the runner whose forward is running (``runner_state.state_of_forward``)."""
-    state = state_of_forward()
-    return None if state is None else state.cut
-
-
 def one_token_per_request() -> bool:
     """Whether the running forward has one token per request (``vllm.forward_context``'s
     ``BatchDescriptor``: ``num_reqs`` given, as for full CUDA graphs, and equal to ``num_tokens``)."""
@@ -277,7 +271,11 @@ def _routed_at_cut(original):
     def _apply_quant_method(self, hidden_states, router_logits, *args, **kwargs):
         # traced by torch.compile only where vLLM calls the MoE eagerly inside the compiled model (the
         # CPU and TPU platforms); there the tokens keep their own experts, which changes no output
-        cut = None if torch.compiler.is_compiling() else cut_of_forward()
+        state = None if torch.compiler.is_compiling() else state_of_forward()
+        cut = None if state is None else state.cut
+        if state is not None and state.capture is not None:  # calibration: the tokens' own experts
+            state.capture.routed(getattr(self, "layer_name", None), router_logits,
+                                 self.moe_config.experts_per_token)
         if cut is not None:
             capturing = router_logits.is_cuda and torch.cuda.is_current_stream_capturing()
             one_token = capturing and one_token_per_request()
