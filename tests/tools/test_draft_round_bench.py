@@ -31,6 +31,7 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
         candidates = r.round_candidates()
         both = r.round_compiled_candidates()
         grouped_candidates = r.round_grouped_candidates()
+        compiled_grouped = r.round_compiled_grouped_candidates()
         w1 = model.markov_head.markov_w1.weight.clone()
         scaled = dr.scaled_markov(r, (0.5, 0.01), lambda fn: (fn(), 1.0)[1])
     # the scaled runs leave the Markov weights as they were; a bias 100x smaller resolves every position
@@ -39,6 +40,7 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
     assert scaled[1]["missed"] == 0.0 and scaled[1]["w2_passes"] == 0  # no per-position kernel reads W2
     assert all(x["heads_candidates_ms"] == x["round_grouped_candidates_ms"] == 1.0 for x in scaled)
     assert torch.equal(both.tokens, candidates.tokens) and torch.equal(grouped_candidates.tokens, candidates.tokens)
+    assert torch.equal(compiled_grouped.tokens, candidates.tokens)
     assert torch.equal(tokens, fused.tokens) and torch.equal(tokens, fused_norms.tokens)
     assert torch.equal(tokens, grouped.tokens)
     assert torch.allclose(top1, fused.top1_prob, atol=2e-6) and torch.allclose(ent, fused.entropy, atol=2e-5)
@@ -49,12 +51,14 @@ def test_the_tiny_round_checks_and_drafts_the_same_with_both_heads():
     assert 0.0 <= stats["resolved"] <= 1.0 and 0.0 <= stats["missed"] <= 1.0 - stats["resolved"] + 1e-9
     assert 0 <= stats["w2_passes"] <= 6
     table = dr.format_table([{**{f"{k}_ms": 1.0 for k in ("layers", "layers_fused_norms", "layers_grouped",
-                                                          "layers_compiled", "lm_head", "heads_torch", "heads_fused",
-                                                          "heads_candidates", "round_torch", "round_fused",
-                                                          "round_fused_norms", "round_grouped", "round_candidates",
-                                                          "round_compiled", "round_grouped_candidates", "floor")},
+                                                          "layers_compiled", "layers_compiled_grouped", "lm_head",
+                                                          "heads_torch", "heads_fused", "heads_candidates",
+                                                          "round_torch", "round_fused", "round_fused_norms",
+                                                          "round_grouped", "round_candidates", "round_compiled",
+                                                          "round_grouped_candidates",
+                                                          "round_compiled_grouped_candidates", "floor")},
                               "B": 1, "round_over_floor": 1.0, **stats}])
-    assert len(table.splitlines()) == 3 and all(line.count("|") == 21 for line in table.splitlines())
+    assert len(table.splitlines()) == 3 and all(line.count("|") == 23 for line in table.splitlines())
     nbytes = dr.round_bytes(model, 3, 40)
     mh = model.markov_head
     assert nbytes["markov_w2"] == 7 * mh.markov_w2.weight.numel() * 4

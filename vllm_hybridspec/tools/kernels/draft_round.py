@@ -29,6 +29,9 @@ them from the target's paged cache, a read of the same size). For each batch siz
 * ``layers_compiled`` / ``round_compiled``: the layers through torch.compile (dynamic shapes, the SSD
   scan in its torch form; what ``"drafter_compile": true`` runs in the engine), alone and with the LM
   head and the fused heads; ``round_compiled_candidates``: with the candidate heads instead;
+  ``layers_compiled_grouped`` / ``round_compiled_grouped_candidates``: compiled with the grouped
+  attention (the engine's ``drafter_compile`` with its default ``drafter_grouped_attention``), alone
+  and with the LM head and the candidate heads;
 * ``--markov-scales``: the candidate heads and ``round_grouped_candidates`` again with the Markov
   bias scaled down (random weights make it as large as the logits, so few positions resolve; a
   trained head's bias is smaller: on the reference drafters 7.5-14 % of positions miss with M = 8,
@@ -176,6 +179,15 @@ class Round:
             self.hidden = Round.compiled(self.block_ids, self.positions, m.initial_state(self.last_hidden),
                                          self.prefix_kv, self.mask)
 
+    def layers_compiled_grouped(self):
+        from vllm_hybridspec.drafter.attention import use_grouped_attention
+
+        use_grouped_attention(self.model)
+        try:
+            self.layers_compiled()
+        finally:
+            use_grouped_attention(self.model, False)
+
     def lm_head(self):
         self.logits = self.model.lm_head(self.model.norm(self.hidden[:, 1:]))  # [B, K, V] bf16
 
@@ -249,6 +261,11 @@ class Round:
         self.lm_head()
         return self.heads_candidates()
 
+    def round_compiled_grouped_candidates(self):
+        self.layers_compiled_grouped()
+        self.lm_head()
+        return self.heads_candidates()
+
 
 def compile_block_forward(model) -> None:
     Round.compiled = torch.compile(model.block_forward, dynamic=True)
@@ -261,7 +278,7 @@ def check_compiled(r: Round, tol: float = 2e-2) -> list[str]:
     r.layers()
     eager = r.hidden.float()
     problems = []
-    for name in ("layers_compiled", "layers_fused_norms", "layers_grouped"):
+    for name in ("layers_compiled", "layers_fused_norms", "layers_grouped", "layers_compiled_grouped"):
         getattr(r, name)()
         err = float((r.hidden.float() - eager).norm() / eager.norm().clamp(min=1e-30))
         if err > tol:
@@ -373,10 +390,10 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
                 r.launch, part = tune_heads(r, samples, replays)
                 tune_rows += part
             row = {"B": B, "launch": {k: v for k, v in r.launch.items()}}
-            for part in ("layers", "layers_fused_norms", "layers_grouped", "layers_compiled", "lm_head", "heads_torch",
-                         "heads_fused", "heads_candidates", "round_torch", "round_fused", "round_fused_norms",
-                         "round_grouped", "round_candidates", "round_compiled", "round_compiled_candidates",
-                         "round_grouped_candidates"):
+            for part in ("layers", "layers_fused_norms", "layers_grouped", "layers_compiled", "layers_compiled_grouped",
+                         "lm_head", "heads_torch", "heads_fused", "heads_candidates", "round_torch", "round_fused",
+                         "round_fused_norms", "round_grouped", "round_candidates", "round_compiled",
+                         "round_compiled_candidates", "round_compiled_grouped_candidates", "round_grouped_candidates"):
                 row[f"{part}_ms"] = graph_ms(getattr(r, part), samples, replays).ms
             row.update(r.pass_stats())  # of the last replay of round_grouped_candidates
             row["scaled"] = scaled_markov(r, markov_scales, lambda fn: graph_ms(fn, samples, replays).ms)
@@ -385,7 +402,7 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             row["floor_ms"] = sum(nbytes.values()) / bw * 1e3
             row["round_over_floor"] = min(row["round_fused_ms"], row["round_fused_norms_ms"], row["round_grouped_ms"],
                                           row["round_candidates_ms"], row["round_compiled_ms"],
-                                          row["round_compiled_candidates_ms"],
+                                          row["round_compiled_candidates_ms"], row["round_compiled_grouped_candidates_ms"],
                                           row["round_grouped_candidates_ms"]) / row["floor_ms"]
             log(f"B={B}: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
                 + f" ms; best round / floor {row['round_over_floor']:.2f}; candidates (M = {candidates}) "
@@ -397,7 +414,8 @@ def run(batches: list[int], capacity: int, samples: int, replays: int, tune: boo
             if B in (1, 4):
                 for key, fn in (("kernels", r.round_fused), ("kernels_fused_norms", r.round_fused_norms),
                                 ("kernels_grouped", r.round_grouped),
-                                ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates)):
+                                ("kernels_compiled", r.round_compiled), ("kernels_candidates", r.round_candidates),
+                                ("kernels_compiled_grouped_candidates", r.round_compiled_grouped_candidates)):
                     row[key] = kernel_table(fn)
                     log(f"  {key} (B={B}):")
                     for k in row[key][:12]:
@@ -429,18 +447,21 @@ def scaled_markov(r: Round, scales, time_ms: Callable[[Callable[[], object]], fl
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| B | layers | layers (fused norms) | layers (grouped attention) | layers (compiled) | LM head | "
+    head = ("| B | layers | layers (fused norms) | layers (grouped attention) | layers (compiled) | "
+            "layers (compiled, grouped) | LM head | "
             "heads (torch) | heads (fused) | heads (candidates) | resolved | round (torch) | round (fused) | "
             "round (fused norms) | round (grouped attention) | round (candidates) | round (compiled layers) | "
-            "round (grouped, candidates) | W2 passes | floor | best / floor |")
-    lines = [head, "|" + "---|" * 20]
+            "round (grouped, candidates) | round (compiled grouped, candidates) | W2 passes | floor | best / floor |")
+    lines = [head, "|" + "---|" * 22]
     for r in rows:
         lines.append(f"| {r['B']} | {r['layers_ms']:.3f} | {r['layers_fused_norms_ms']:.3f} | "
-                     f"{r['layers_grouped_ms']:.3f} | {r['layers_compiled_ms']:.3f} | {r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
+                     f"{r['layers_grouped_ms']:.3f} | {r['layers_compiled_ms']:.3f} | {r['layers_compiled_grouped_ms']:.3f} | "
+                     f"{r['lm_head_ms']:.3f} | {r['heads_torch_ms']:.3f} | "
                      f"{r['heads_fused_ms']:.3f} | {r['heads_candidates_ms']:.3f} | {r['resolved']:.3f} | "
                      f"{r['round_torch_ms']:.3f} | {r['round_fused_ms']:.3f} | {r['round_fused_norms_ms']:.3f} | "
                      f"{r['round_grouped_ms']:.3f} | "
                      f"{r['round_candidates_ms']:.3f} | {r['round_compiled_ms']:.3f} | "
-                     f"{r['round_grouped_candidates_ms']:.3f} | {r['w2_passes']} | {r['floor_ms']:.3f} | "
+                     f"{r['round_grouped_candidates_ms']:.3f} | {r['round_compiled_grouped_candidates_ms']:.3f} | "
+                     f"{r['w2_passes']} | {r['floor_ms']:.3f} | "
                      f"{r['round_over_floor']:.2f} |")
     return "\n".join(lines)
