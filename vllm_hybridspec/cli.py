@@ -10,7 +10,7 @@ try:  # typer >= 0.29 vendors click
 except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_errors
 
-from vllm_hybridspec.bench.cli import bench, report, soak
+from vllm_hybridspec.bench.cli import bench, headline, report, soak
 from vllm_hybridspec.policy.cli import calibrate_app, simulate_command
 from vllm_hybridspec.tools import calibrate as _calibrate_vllm  # noqa: F401  (adds capture, costs)
 from vllm_hybridspec.tools.checks import check_app
@@ -114,6 +114,7 @@ app.command("models")(models)
 app.command("bench")(bench)
 app.command("soak")(soak)
 app.command("report")(report)
+app.command("headline")(headline)
 app.command("replay-record")(replay_record)
 
 

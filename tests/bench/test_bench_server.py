@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shlex
 import signal
 import subprocess
@@ -39,6 +40,12 @@ def test_bench_with_managed_server_and_report(tiny_target, token_prompts, tmp_pa
     assert run.returncode == 0
     doc = json.loads(out.read_text())
     assert doc["status"] == "ok" and doc["config"]["model"] == str(tiny_target)
+    # what the tool read of the server it started: the KV capacity vLLM logged, its start time, the host
+    server = doc["config"]["server"]
+    assert server["log"] == "ngram.server.log" and server["kv_capacity_tokens"] > 0
+    assert f"GPU KV cache size: {server['kv_capacity_tokens']:,} tokens" in (tmp_path / server["log"]).read_text()
+    assert 0 < server["startup_s"] < time.monotonic() - start
+    assert doc["config"]["host"] == platform.node() and doc["config"]["started_at"].endswith("+00:00")
     assert [lv["concurrency"] for lv in doc["levels"]] == [1, 4]
     for lv in doc["levels"]:
         assert (lv["completed"], lv["failed"], lv["not_sent"]) == (16, 0, 0)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import shlex
 import urllib.parse
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import typer
@@ -142,6 +144,12 @@ def _one_line_errors(command: str, current):
         _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130, command)
 
 
+def run_stamp() -> dict:
+    """Where and when a run was made (``hybridspec headline`` checks that the ratios it gives come from one
+    machine): the host name and the UTC start time."""
+    return {"host": platform.node(), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def _managed_server(stack: ExitStack, serve: str | None, base_url: str, out: Path, timeout: float,
                     env: dict | None = None) -> ManagedServer | None:
     """The server of ``--serve``, started (log next to ``out``) and stopped with ``stack``; None without."""
@@ -204,7 +212,8 @@ def bench(
                       metrics_interval=metrics_interval, repeats=repeats)
     if serve and switches:
         serve = _with_worker_extension(serve)
-    meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list)}
+    meta = {"serve": serve, "prompt_source": str(prompts or dataset), "num_prompts": len(prompt_list),
+            **run_stamp()}
     runs = [(None, {}, out, cfg)] if not switches else [
         (name, options, path, replace(cfg, label=f"{cfg.label}-{name}"))
         for (name, options), path in zip(switches, outs)]
@@ -212,6 +221,8 @@ def bench(
     with _one_line_errors("bench", lambda: current), ExitStack() as stack:
         server = _managed_server(stack, serve, base_url, out, serve_timeout,
                                  {"VLLM_SERVER_DEV_MODE": "1"} if switches else None)
+        if server is not None:
+            meta["server"] = server.facts()
         for name, options, current, run_cfg in runs:
             run_meta = meta
             if name is not None:
@@ -331,3 +342,43 @@ def report(
         typer.echo(f"hybridspec report: error: {e}", err=True)
         raise typer.Exit(2)
     typer.echo(f"report: {path}")
+
+
+def headline(
+    plain: str = typer.Option(..., help="plain decoding's result, PATH[,PATH...] (levels merged by concurrency)"),
+    hybridspec: str = typer.Option(..., help="HybridSpec's result (per-request lengths, the gate, the routing "
+                                   "correction), PATH[,PATH...]"),
+    ours_verify_all: str = typer.Option(None, help="ours verifying every draft, PATH[,PATH...]"),
+    ours_static: str = typer.Option(None, help="ours at the best static length, PATH[,PATH...]"),
+    vllm_verify_all: str = typer.Option(None, help="vLLM's own GDN spec path verifying every draft, PATH[,PATH...]"),
+    shape: str = typer.Option(..., help="the target, as headline.json names it (e.g. 'Qwen3.6-35B-A3B shape, "
+                              "40 layers, dummy weights, bf16')"),
+    profile: str = typer.Option(..., help="the replayed acceptance profile (e.g. paper-dflash-qwen3.6)"),
+    draft_len: int = typer.Option(15, "--draft-len", min=1, help="D, draft tokens per round"),
+    command: str = typer.Option(..., help="how the results were made (the stage commands), kept in the JSON"),
+    out: Path = typer.Option(..., "--out", "-o", help="headline JSON to write"),
+    plot_path: Path = typer.Option(None, "--plot", help="also draw each configuration's ratio to plain against C here "
+                                   "(PNG)"),
+) -> None:
+    """headline.json from `hybridspec bench` results: tokens/s per configuration and C, the ratios to plain
+    decoding and to vLLM's verify-all, KV capacities, and whether the issue's bars are met."""
+    from vllm_hybridspec.bench.headline import build_headline, markdown, write_headline
+
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.policy.files import check_writable
+
+    files = {k: v for k, v in (("plain", plain), ("hybridspec", hybridspec), ("ours_verify_all", ours_verify_all),
+                               ("ours_static", ours_static), ("vllm_verify_all", vllm_verify_all)) if v}
+    for path, option in ((out, "--out"), (plot_path, "--plot")):
+        if path is not None:
+            try:
+                check_writable(path, option, make_parents=True)
+            except InputError as e:
+                _fail(str(e), 2, "headline")
+    try:
+        head = build_headline(files, shape, profile, draft_len, command)
+        write_headline(head, out, plot_path)
+    except (OSError, ValueError) as e:
+        _fail(f"{e}", 2, "headline")
+    typer.echo(markdown(head), nl=False)
+    typer.echo(f"headline: {out}" + (f", {plot_path}" if plot_path else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -43,6 +44,18 @@ def health_ok(base_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+KV_CAPACITY_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_capacity_from_log(path: Path) -> int | None:
+    """The KV-cache capacity in tokens a vLLM server logged at start (the last such line), or None."""
+    try:
+        found = KV_CAPACITY_LINE.findall(Path(path).read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(found[-1].replace(",", "")) if found else None
+
+
 class ManagedServer:
     """Starts ``command`` in its own process group, waits for ``/health``, and always stops it.
 
@@ -58,6 +71,7 @@ class ManagedServer:
             raise ServerError("The --serve command line is empty; expected e.g. 'vllm serve MODEL'.")
         self.base_url, self.log_path, self.startup_timeout = base_url, Path(log_path), startup_timeout
         self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
 
     def __enter__(self) -> ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,16 +97,25 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
+        started = time.monotonic()
+        deadline = started + self.startup_timeout
         while time.monotonic() < deadline:
             if not self.alive:
                 raise ServerError(f"The server exited with code {self.proc.returncode} before it was healthy; "
                                   f"last log lines ({self.log_path}):\n{self.log_tail()}")
             if health_ok(self.base_url):
+                self.startup_s = round(time.monotonic() - started, 1)
                 return
             time.sleep(1.0)
         raise ServerError(f"The server did not answer {self.base_url}/health within {self.startup_timeout:g} s; "
                           f"last log lines ({self.log_path}):\n{self.log_tail()}")
+
+    def facts(self) -> dict:
+        """What the started server's log says of it: its KV-cache capacity in tokens (vLLM's
+        ``GPU KV cache size: N tokens`` line, ``vllm.v1.core.kv_cache_utils``; None when absent), the
+        seconds it took to answer ``/health``, and the log's name."""
+        return {"kv_capacity_tokens": kv_capacity_from_log(self.log_path), "startup_s": self.startup_s,
+                "log": self.log_path.name}
 
     def log_tail(self, lines: int = 15) -> str:
         try:
