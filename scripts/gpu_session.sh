@@ -169,11 +169,15 @@ slice|full35)
   # DRAFTS: every row with the drafter's own tokens (model) and with distinct ids at every position (spread: a
   # dummy-weight drafter drafts one id, whose 16 copies reach one token's experts)
   D=(--drafts "${DRAFTS:-model,spread}")
-  run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" --lengths 1,2,4,8,16 --untrimmed \
+  # RUNS: which engines this call starts (a cold 40-layer start takes 167-379 s: full35 runs ours in one call and
+  # plain,vllm in the next of the same lease, RUNS=ours then RUNS=plain,vllm)
+  RUNS=",${RUNS:-ours,plain,vllm},"
+  [[ $RUNS == *,ours,* ]] && run ours_full python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" \
+    --lengths "${LENGTHS:-1,2,4,8,12,16}" --untrimmed \
     --speculative-config "{$H15, \"hybridspec\": {$DC \"gdn_kernel\": true, \"full_graph_spec_steps\": true}}" \
     --out "$R/ours_full.json"
-  run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
-  run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" --lengths 16 \
+  [[ $RUNS == *,plain,* ]] && run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
+  [[ $RUNS == *,vllm,* ]] && run vllm15 python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" "${D[@]}" --lengths 16 \
     --speculative-config "{$H15, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm15.json"
   ;;
 sliceprof)

@@ -478,15 +478,31 @@ def test_input_files_of_spec_steps_table(tmp_path):
     assert refusal("--ours", ours, "--plain", vllm) == (
         f"--plain '{vllm}' is a run with a speculative_config; expected a spec-steps result of plain decoding (no "
         "--speculative-config)")
+    # --draft-round: an existing draft-round result with a positive round_grouped_ms per batch size
+    assert refusal("--ours", ours, "--plain", plain, "--draft-round", missing) == (
+        f"--draft-round '{missing}' does not exist; expected a `hybridspec kernels draft-round --json` result")
+    bad.write_text('{"rows": [{"B": 1, "round_grouped_ms": "1.6"}]}')
+    assert refusal("--ours", ours, "--plain", plain, "--draft-round", bad) == (
+        f"--draft-round '{bad}': field 'rows[0].round_grouped_ms': Input should be a valid number (got '1.6')")
+    bad.write_text('{"rows": [{"B": 1, "round_ms": 1.6}]}')
+    assert refusal("--ours", ours, "--plain", plain, "--draft-round", bad) == (
+        f"--draft-round '{bad}': required field 'rows[0].round_grouped_ms' is missing")
+    bad.write_text('{"rows": [{"B": 0, "round_grouped_ms": 1.6}]}')
+    assert refusal("--ours", ours, "--plain", plain, "--draft-round", bad).startswith(
+        f"--draft-round '{bad}': field 'rows[0].B': Input should be greater than or equal to 1")
+    assert refusal("--ours", ours, "--plain", plain, "--layers", "0") == "--layers '0': Input should be greater than or equal to 1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
     # the saved H200 results pass and make the table the function makes of them
+    rounds = tmp_path / "rounds.json"
+    rounds.write_text('{"rows": [{"B": 1, "round_grouped_ms": 1.58}, {"B": 4, "round_grouped_ms": 1.7}]}')
     result = invoke("spec-steps-table", "--ours", ours, "--plain", plain, "--vllm", vllm, "--shape", "s",
-                    "--command", "c", "--out", out)
+                    "--command", "c", "--layers", "12", "--draft-round", rounds, "--out", out)
     assert result.exit_code == 0, result.output
     from vllm_hybridspec.tools.spec_steps import spec_steps_table
 
-    runs = [json.loads(p.read_text()) for p in (ours, plain, vllm)]
-    assert json.loads(out.read_text()) == spec_steps_table(runs[0], runs[1], [runs[2]], "s", "c")
+    runs = [json.loads(p.read_text()) for p in (ours, plain, vllm, rounds)]
+    assert json.loads(out.read_text()) == spec_steps_table(runs[0], runs[1], [runs[2]], "s", "c", 12, runs[3])
+    assert json.loads(out.read_text())["drafter_round_ms"] == {"1": 1.58, "4": 1.7}
 
 
 def test_a_spec_steps_table_that_fails_to_write_keeps_the_earlier_file(tmp_path, monkeypatch):

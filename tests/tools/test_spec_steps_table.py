@@ -49,3 +49,22 @@ def test_the_table_reads_each_rows_median_where_it_has_one():
     table = spec_steps_table(ours, plain, [], "s", "c")
     assert table["plain_ms"] == {"1": 2.88}
     assert [r["ours_ms"] for r in table["rows"]] == [4.59, 4.46]
+
+
+def test_the_table_records_the_layers_and_the_default_drafter_round_per_batch_size():
+    """``--layers`` and ``--draft-round``: the table says how many layers the target had, and per batch size
+    the drafting round of the engine's default drafter (grouped attention), not another variant's."""
+    import random
+
+    rng = random.Random()
+    grouped = {b: round(rng.uniform(0.5, 3.0), 4) for b in (1, 4, 16)}
+    rounds = {"rows": [{"B": b, "round_grouped_ms": ms, "round_fused_ms": ms + 1.0, "round_compiled_ms": ms / 2}
+                       for b, ms in grouped.items()]}
+    table = spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c",
+                             layers=40, draft_round=rounds)
+    assert table["layers"] == 40
+    assert table["drafter_round_ms"] == {str(b): ms for b, ms in grouped.items()}
+    assert list(table)[-1] == "rows"
+    # without them the table has neither key (a slice table written before them reads the same)
+    bare = spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c")
+    assert "layers" not in bare and "drafter_round_ms" not in bare

@@ -265,12 +265,15 @@ def read_steps(path: Path, option: str) -> dict:
     return data
 
 
-def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str) -> dict:
+def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str,
+                     layers: int | None = None, draft_round: dict | None = None) -> dict:
     """``docs/benchmarks/spec_steps.json``: one row per (B, w, drafts) of ``ours``, with vLLM's full-graph
     step at the same length and with the same kind of drafts (``spec-steps --drafts``) where one of
     ``vllm_runs`` (engines verifying all ``K + 1``) has it. A row's figure is its median step (the mean
     where a result has none): a drafter graph captured while the prefix grows past a capacity bucket
-    is one step of tens of milliseconds that the mean spreads over the row."""
+    is one step of tens of milliseconds that the mean spreads over the row. ``layers``: the target's
+    layer count; ``draft_round``: a ``kernels draft-round`` result, whose round with the engine's
+    default drafter (:data:`DEFAULT_ROUND`) per batch size becomes ``drafter_round_ms``."""
     plain_ms = {str(r["B"]): _ms(r) for r in plain["rows"]}
     vllm_ms = {}
     for run in vllm_runs:
@@ -285,7 +288,30 @@ def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str,
         rows.append({"B": r["B"], "w": r["w"], "trimmed": r.get("trimmed", True), "drafts": drafts, "ours_ms": _ms(r),
                      "ours_mode": _mode(r), "vllm_ms": None if v is None else v[0],
                      "vllm_mode": None if v is None else v[1]})
-    return {"shape": shape, "command": command, "plain_ms": plain_ms, "rows": rows}
+    table = {"shape": shape, "command": command, "plain_ms": plain_ms}
+    if layers is not None:
+        table["layers"] = layers
+    if draft_round is not None:
+        table["drafter_round_ms"] = {str(r["B"]): r[DEFAULT_ROUND] for r in draft_round["rows"]}
+    return {**table, "rows": rows}
+
+
+# the draft-round figure of the engine's default drafter: fused norms and grouped attention on, torch.compile
+# and candidate heads off (engine/options.py)
+DEFAULT_ROUND = "round_grouped_ms"
+
+
+class DraftRoundRow(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    B: int = Field(ge=1)
+    round_grouped_ms: float = Field(gt=0)
+
+
+class DraftRoundResult(BaseModel):
+    """What the table reads of a ``hybridspec kernels draft-round --json`` result."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    rows: list[DraftRoundRow] = Field(min_length=1)
 
 
 def _ms(row: dict) -> float:
@@ -309,14 +335,29 @@ def spec_steps_table_command(
     vllm: list[Path] = typer.Option([], help="spec-steps JSONs of vLLM's own GDN path (verify all), repeatable"),
     shape: str = typer.Option(..., help="what was measured, e.g. 'Qwen3.6-35B-A3B, dummy weights, H200'"),
     command: str = typer.Option(..., help="the commands that produced the inputs"),
+    layers: int | None = typer.Option(None, min=1, help="the target's number of layers, recorded in the table"),
+    draft_round: Path | None = typer.Option(
+        None, help="a `hybridspec kernels draft-round --json` result of the same drafter: its default round per "
+        "batch size becomes drafter_round_ms"),
     out: Path = typer.Option(..., help="the table JSON to write"),
 ) -> None:
     """Merge spec-steps results into the spec-step table (``docs/benchmarks/spec_steps.json``)."""
     inputs = [("--ours", ours), ("--plain", plain), *(("--vllm", p) for p in vllm)]
     for option, path in inputs:
         input_file(path, option, STEPS_INPUTS[option][1])
+    if draft_round is not None:
+        input_file(draft_round, "--draft-round", "a `hybridspec kernels draft-round --json` result")
     output_path(out, "--out", make_parents=False)
     ours_run, plain_run, *vllm_runs = [read_steps(path, option) for option, path in inputs]
-    table = spec_steps_table(ours_run, plain_run, vllm_runs, shape, command)
+    rounds = None
+    if draft_round is not None:
+        try:
+            rounds = read_json(draft_round, "--draft-round file")
+            DraftRoundResult.model_validate(rounds)
+        except InputError as e:
+            raise typer.BadParameter(str(e)) from None
+        except ValidationError as e:
+            raise typer.BadParameter(str(describe(e, f"--draft-round '{draft_round}'", DraftRoundResult))) from None
+    table = spec_steps_table(ours_run, plain_run, vllm_runs, shape, command, layers, rounds)
     write_text_atomic(out, json.dumps(table, indent=1) + "\n")
     typer.echo(f"wrote {out}")
