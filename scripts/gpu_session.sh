@@ -228,17 +228,21 @@ refprof)
   # CPU time per function, with callers) of ours at w = 1 (drafting off) and 8,
   # vLLM's own GDN path (every draft) and plain decoding
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
-  P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 300 --batch 1 --warmup 8 --steps 12
+  # B: requests decoding together (1); LENGTHS: ours' verification lengths (1,8); each profile also counts the
+  # host's waits for the device per step by line (torch's CUDA sync debug mode: summary.json's host_syncs)
+  P=(--model models/hybrid --dtype bfloat16 --vocab 100 --prompt-len 300 --batch "${B:-1}" --warmup 8 --steps 12
      --async-scheduling --cprofile --gpu-mem 0.2 --engine-args "$ENG")
   DC=''; [ "${FUSED_CONV:-0}" = 1 ] && DC='"gdn_fused_conv": true,'
   [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
-  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths 1,8 --out "$R/ours" \
+  run prof_ours python3 -m vllm_hybridspec.cli profile "${P[@]}" --lengths "${LENGTHS:-1,8}" --out "$R/ours" \
     --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true, \"fixed_length\": 8}}"
   run prof_plain python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/plain"
   [ "${VLLM_PATH:-1}" = 1 ] && run prof_vllm python3 -m vllm_hybridspec.cli profile "${P[@]}" --out "$R/vllm" \
     --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}"
   for f in "$R"/ours/w*/host.txt "$R"/plain/host.txt "$R"/vllm/host.txt; do
     [ -f "$f" ] && { echo "== $f"; head -1 "$f"; sed -n '/^## where the host is blocked/,$p' "$f" | head -22 | cut -c1-150; }; done
+  for f in "$R"/ours/w*/summary.json "$R"/plain/summary.json "$R"/vllm/summary.json; do
+    [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); s = d.get('host_syncs', {}); print(sys.argv[1], 'step', round(d['mean_step_ms'], 3), 'ms, busy', d.get('gpu_busy_ms_per_step'), 'launches', d.get('kernel_launches_per_step'), 'syncs', s.get('per_step'), list(s.get('by_line', {}).items())[:6])" "$f"; done
   ;;
 refbs1)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'

@@ -37,6 +37,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+MODELS = Path(os.environ.get("HS_MODELS", ROOT / "models"))  # the reference models (HS_MODELS: elsewhere)
 sys.path.insert(0, str(ROOT))  # this checkout's vllm_hybridspec, not the one the venv was installed from
 EXCLUDED = "hs::excluded"
 # the main thread's CPU time: on a shared machine, wall time mostly measures the other processes
@@ -106,10 +107,13 @@ def start(engine: str, k: int, dtype: str, batch: int):
     from vllm import LLM
 
     spec = None
-    if engine == "spec":
-        spec = {"method": "hspec", "model": str(ROOT / "models/hybrid-hspec"), "num_speculative_tokens": k,
-                "hybridspec": {"fixed_length": k + 1}}
-    return LLM(model=str(ROOT / "models/hybrid"), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+    if engine in ("spec", "vllm_path"):
+        # vllm_path: the same drafter verifying every draft, the target's GDN layers on vLLM's own spec path,
+        # no selector (as an engine without "hybridspec" options runs it)
+        options = {"gdn_kernel": False} if engine == "vllm_path" else {"fixed_length": k + 1}
+        spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": k,
+                "hybridspec": options}
+    return LLM(model=str(MODELS / "hybrid"), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                max_model_len=1024, max_num_seqs=max(4, batch), max_num_batched_tokens=512, seed=0,
                mamba_ssm_cache_dtype="float32", speculative_config=spec, async_scheduling=True)
 
@@ -176,9 +180,34 @@ def torch_calls(engine, excluded: Excluded, steps: int) -> Counter:
     return calls
 
 
-def aten_counts(engine, excluded: Excluded, steps: int) -> Counter:
+# aten operators that launch no kernel on a GPU: views, metadata and allocations
+NO_KERNEL = frozenset(f"aten::{name}" for name in (
+    "as_strided", "slice", "select", "view", "_unsafe_view", "reshape", "_reshape_alias", "alias", "detach",
+    "unsqueeze", "squeeze", "expand", "expand_as", "t", "transpose", "permute", "flatten", "unflatten", "narrow",
+    "split", "split_with_sizes", "chunk", "unbind", "lift_fresh", "resolve_conj", "resolve_neg", "empty",
+    "empty_strided", "empty_like", "new_empty", "new_empty_strided", "set_", "is_nonzero", "item",
+    "_local_scalar_dense", "numpy_T", "view_as", "contiguous", "to", "type_as", "record_stream", "pin_memory",
+    "_pin_memory", "is_pinned", "result_type", "size", "stride", "dim"))
+# Python-level reads of a tensor's values on the host: a device sync on a GPU when the tensor lives there
+# (on the CPU every tensor does, so these count host-side tensors too: an upper bound on the GPU's syncs)
+HOST_READS = frozenset(("item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
+                        "cpu", "any", "all", "equal", "allclose"))
+
+
+def leaf_kernels(events) -> Counter:
+    """The aten operators of ``events`` that would launch a kernel: those without an aten operator below
+    them (the dispatcher's innermost call) and not in :data:`NO_KERNEL`."""
+    kernels: Counter = Counter()
+    for event in events:
+        if event.name in NO_KERNEL or any(c.name.startswith("aten::") for c in event.cpu_children):
+            continue
+        kernels[event.name] += 1
+    return kernels
+
+
+def aten_counts(engine, excluded: Excluded, steps: int) -> tuple[Counter, Counter]:
     """aten operators per step outside the excluded regions (every event, nested ones included, as
-    ``hybridspec profile`` counts them)."""
+    ``hybridspec profile`` counts them), and among them the kernels (:func:`leaf_kernels`)."""
     from torch.profiler import ProfilerActivity, profile
 
     excluded.profiling = True
@@ -189,6 +218,7 @@ def aten_counts(engine, excluded: Excluded, steps: int) -> Counter:
     finally:
         excluded.profiling = False
     counts: Counter = Counter()
+    outside = []
     for event in prof.events():
         if not event.name.startswith("aten::"):
             continue
@@ -200,7 +230,8 @@ def aten_counts(engine, excluded: Excluded, steps: int) -> Counter:
             parent = parent.cpu_parent
         if not inside:
             counts[event.name] += 1
-    return counts
+            outside.append(event)
+    return counts, leaf_kernels(outside)
 
 
 def cprofile_steps(engine, steps: int, path: Path) -> list[dict]:
@@ -224,9 +255,10 @@ def measure(llm, name: str, args, excluded: Excluded) -> dict:
         row = (statistics.median(host_ms), statistics.median(step_ms), statistics.mean(host_ms))
         if not best[0] <= row[0]:
             best = row
-    counts = aten_counts(engine, excluded, args.steps) if args.timing else Counter()
+    counts, kernels = aten_counts(engine, excluded, args.steps) if args.timing else (Counter(), Counter())
     n_src = max(4, args.steps // 4)
     sources = torch_calls(engine, excluded, n_src)
+    reads = Counter({key: n for key, n in sources.items() if key[1].rsplit(".", 1)[-1] in HOST_READS})
     with (args.out / f"{name}.sources.txt").open("w") as f:
         f.write(f"torch calls from Python per step by calling line (outside the forward and the round): "
                 f"{sum(sources.values()) / n_src:.1f}\n")
@@ -237,19 +269,49 @@ def measure(llm, name: str, args, excluded: Excluded) -> dict:
     per_step = {k: v / args.steps for k, v in counts.most_common()}
     result = {"name": name, "host_ms_median": round(best[0], 3), "step_ms_median": round(best[1], 3),
               "host_ms_mean": round(best[2], 3), "aten_ops_per_step": round(sum(counts.values()) / args.steps, 1),
+              "launches_per_step": round(sum(kernels.values()) / args.steps, 1),
+              "host_reads_per_step": round(sum(reads.values()) / n_src, 2),
+              "torch_calls_per_step": round(sum(sources.values()) / n_src, 1),
+              "host_reads": {f"{op} {frame}": round(n / n_src, 2) for (frame, op), n in reads.most_common()},
+              "kernels_by_name": {k: round(v / args.steps, 2) for k, v in kernels.most_common()},
               "aten_by_name": {k: round(v, 2) for k, v in per_step.items()},
               "plugin_top": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
                              for r in ours[:25]]}
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(f"{name}: host {result['host_ms_median']:.3f} ms/step (median; mean {result['host_ms_mean']:.3f}), "
           f"step {result['step_ms_median']:.3f} ms, {result['aten_ops_per_step']} aten ops/step outside the "
-          "forward and the drafting round", flush=True)
+          f"forward and the drafting round, {result['launches_per_step']} of them kernels, "
+          f"{result['host_reads_per_step']} host reads", flush=True)
     return result
+
+
+def config_name(name: str) -> str:
+    """``host_step.json``'s config of a measurement: ``plain``, ``drafting_off`` (w = 1), ``ours_w<w>`` or
+    ``vllm_path_w<K + 1>``."""
+    base = name.split("-b")[0]
+    return {"w1": "drafting_off"}.get(base, base if base.startswith(("plain", "vllm_path")) else f"ours_{base}")
+
+
+def merge_table(path: Path, results: list[dict], batch: int, dtype: str, command: str) -> None:
+    """Put this run's rows into ``path`` (``docs/benchmarks/host_step.json``: per config and batch size, the
+    host's work per step outside the forward and the drafting round), replacing rows of the same config,
+    batch size and dtype; the table's ``command`` lists the runs that wrote it."""
+    table = json.loads(path.read_text()) if path.exists() else {"rows": [], "command": []}
+    rows = [{"config": config_name(r["name"]), "B": batch, "dtype": dtype, "aten_ops": r["aten_ops_per_step"],
+             "launches": r["launches_per_step"], "host_syncs": r["host_reads_per_step"],
+             "python_ms": r["host_ms_median"], "torch_calls": r["torch_calls_per_step"]} for r in results]
+    keys = {(r["config"], r["B"], r["dtype"]) for r in rows}
+    table["rows"] = [r for r in table["rows"] if (r["config"], r["B"], r.get("dtype")) not in keys] + rows
+    order = ["plain", "drafting_off"]
+    table["rows"].sort(key=lambda r: (r["B"], order.index(r["config"]) if r["config"] in order else 2, r["config"]))
+    if command not in table["command"]:
+        table["command"].append(command)
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", choices=["plain", "spec"], required=True)
+    parser.add_argument("--engine", choices=["plain", "spec", "vllm_path"], required=True)
     parser.add_argument("--lengths", default="1,8", help="spec engine: verification lengths (1: drafting off)")
     parser.add_argument("--k", type=int, default=7)
     parser.add_argument("--batch", type=int, default=1)
@@ -262,6 +324,7 @@ def main() -> None:
     parser.add_argument("--no-cprofile", dest="cprofile", action="store_false")
     parser.add_argument("--tag", default="", help="suffix of the result names (before/after)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--table", type=Path, help="merge the rows into this host_step.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -274,6 +337,8 @@ def main() -> None:
     results = []
     if args.engine == "plain":
         results.append(measure(llm, f"plain-b{args.batch}{args.tag}", args, excluded))
+    elif args.engine == "vllm_path":
+        results.append(measure(llm, f"vllm_path_w{args.k + 1}-b{args.batch}{args.tag}", args, excluded))
     else:
         selector = length_selector(llm)
         for w in [int(x) for x in args.lengths.split(",")]:
@@ -282,7 +347,11 @@ def main() -> None:
             else:
                 selector.configure(fixed_length=w)
             results.append(measure(llm, f"w{w}-b{args.batch}{args.tag}", args, excluded))
-    print(json.dumps([{k: r[k] for k in ("name", "host_ms_median", "step_ms_median", "aten_ops_per_step")}
+    if args.table is not None:
+        merge_table(args.table, results, args.batch, args.dtype,
+                    "VLLM_TARGET_DEVICE=cpu python scripts/host_profile.py " + " ".join(sys.argv[1:]))
+    print(json.dumps([{k: r[k] for k in ("name", "host_ms_median", "step_ms_median", "aten_ops_per_step",
+                                         "launches_per_step", "host_reads_per_step")}
                       for r in results]))
 
 

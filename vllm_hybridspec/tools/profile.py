@@ -299,7 +299,35 @@ def profile_steps(engine, steps: int, warmup: int, out: Path, trace: bool, runne
         summary["gpu_split"] = graph_split(json.loads((out / "trace.json").read_text())["traceEvents"], steps)
     if cprofile:
         summary["host_functions"] = host_functions(engine, steps, out / "host.txt", runner=runner)
+    if cuda:
+        summary["host_syncs"] = device_syncs(engine, steps)
     return summary
+
+
+def device_syncs(engine, steps: int) -> dict:
+    """``steps`` more steps under torch's CUDA sync debug mode: the operations that made the host wait
+    for the device (a value read, a blocking copy to the host, ``nonzero``), per step and by the Python
+    line that issued them (torch's warning names the innermost frame)."""
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    where: Counter = Counter()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    for w in caught:
+        if "synchroniz" in str(w.message).lower():
+            where[_short(w.filename, w.lineno, "sync")] += 1
+    return {"per_step": round(sum(where.values()) / steps, 2),
+            "by_line": {k: round(n / steps, 2) for k, n in where.most_common()}}
 
 
 def profile_command(
@@ -363,6 +391,7 @@ def profile_command(
         typer.echo(json.dumps({"w": w, **{k: summary[k] for k in ("mean_step_ms", "gpu_busy_ms_per_step",
                                                                  "kernel_launches_per_step", "aten_ops_per_step",
                                                                  "engine_start_s")},
+                                **({"host_syncs": summary["host_syncs"]["per_step"]} if "host_syncs" in summary else {}),
                                 **({"drafter_rounds": summary["drafter_rounds"]} if "drafter_rounds" in summary else {})}))
 
 

@@ -181,3 +181,47 @@ def test_symbols_the_pending_rounds_rely_on_keep_their_shape():
             "scheduled_cached_reqs"} <= fields
     assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
     assert "kv_cache_groups" in inspect.getsource(GPUModelRunner.initialize_kv_cache)
+
+
+def test_symbols_the_one_slot_metadata_builder_relies_on_keep_their_shape():
+    """``engine/gdn/metadata.py`` subclasses vLLM's GDN metadata builder: the layer's backend gives the
+    builder class (``MambaBase.get_attn_backend``, ``GDNAttentionBackend.get_builder_cls``); the runner
+    passes the rows' draft counts and accepted counts to GDN builders by keyword, builds once per
+    group from shallow copies of one ``CommonAttentionMetadata`` (one ``query_start_loc`` object per
+    step) and reuses a build only for builders that support ``update_block_table`` (GDN's does not); the
+    short path mirrors ``build``'s pure spec branch and its full-graph buffer copies, whose buffers it
+    shares between groups."""
+    import inspect
+    import re
+
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend, GDNAttentionMetadataBuilder
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "get_attn_backend" in vars(MambaBase)
+    assert GDNAttentionBackend.get_builder_cls() is GDNAttentionMetadataBuilder
+    assert list(inspect.signature(GDNAttentionMetadataBuilder.build).parameters) == [
+        "self", "common_prefix_len", "common_attn_metadata", "num_accepted_tokens", "num_decode_draft_tokens_cpu",
+        "fast_build"]
+    assert not GDNAttentionMetadataBuilder.supports_update_block_table
+    runner = re.sub(r"\s+", "", inspect.getsource(GPUModelRunner._build_attention_metadata))
+    assert "num_decode_draft_tokens_cpu=self.num_decode_draft_tokens.cpu[:num_reqs_padded]" in runner
+    assert "cm=copy(cm_base)" in runner
+    build = re.sub(r"\s+", "", inspect.getsource(GDNAttentionMetadataBuilder.build))
+    for line in (
+            ".sum().item()==0",  # no draft in the batch: plain decoding's metadata
+            "spec_sequence_masks_cpu=num_decode_draft_tokens_cpu>=0",
+            "spec_token_size=min(num_spec_decodes*(self.num_spec+1),query_start_loc_cpu[-1].item(),)",
+            "spec_state_indices_tensor=block_table_tensor[spec_sequence_masks_cpu,:self.num_spec+1]",
+            "spec_query_start_loc=query_start_loc[:num_spec_decodes+1]",
+            "num_accepted_tokens=num_accepted_tokens[spec_sequence_masks_cpu]",
+            "spec_state_indices_tensor[num_spec_decodes:].fill_(NULL_BLOCK_ID)",
+            "spec_query_start_loc[num_spec_decodes+1:].fill_(spec_num_query_tokens)",
+            "num_accepted_tokens[num_spec_decodes:].fill_(1)",
+            "self.spec_token_indx[:spec_token_indx.size(0)].copy_(spec_token_indx,non_blocking=True)"):
+        assert line in build, line
+    from vllm_hybridspec.engine.gdn.metadata import SHARED_BUFFERS
+
+    init = inspect.getsource(GDNAttentionMetadataBuilder.__init__)
+    for name in SHARED_BUFFERS:
+        assert f"self.{name}: torch.Tensor = torch.empty(" in init, name

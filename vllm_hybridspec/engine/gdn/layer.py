@@ -85,6 +85,15 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
         conv_dim = (self.key_dim * 2 + self.value_dim) // tp
         self.input_slab = torch.zeros((e + 1) * self.slab_len, conv_dim, dtype=vllm_config.model_config.dtype)
 
+    def get_attn_backend(self):
+        """vLLM's GDN backend, whose metadata builder builds a pure spec-decode batch once per step for all
+        GDN groups (``metadata.py``) when the layer has one slot."""
+        if self.one_slot:
+            from vllm_hybridspec.engine.gdn.metadata import OneSlotGDNBackend
+
+            return OneSlotGDNBackend
+        return super().get_attn_backend()
+
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
         if self.one_slot:
