@@ -123,16 +123,101 @@ def test_batch_gate_fitted_from_plain_decoding_times(tmp_path, fitted):
 
 
 def test_gate_and_batched_lookup_take_the_largest_calibrated_size_at_or_below(fitted):
-    policy = Policy.from_params(fitted.model_copy(update={"gate": {2: True, 8: False, 32: True}}))
+    policy = Policy.from_params(fitted.model_copy(update={"gate": {2: True, 8: False, 32: True}, "speedup": {}}))
     got = {b: policy.speculate(b) for b in (1, 2, 7, 8, 31, 32, 500)}
     assert got == {1: True, 2: True, 7: True, 8: False, 31: False, 32: True, 500: True}
-    assert Policy.from_params(fitted.model_copy(update={"gate": {}})).speculate(64) is True
+    assert Policy.from_params(fitted.model_copy(update={"gate": {}, "speedup": {}})).speculate(64) is True
     assert policy.batched_cost(1) is policy.batched[4] and policy.batched_cost(100) is policy.batched[4]
 
 
 def test_policy_files_without_a_gate_still_load(tmp_path, fitted):
     obj = json.loads(fitted.model_dump_json())
-    del obj["gate"]
+    del obj["gate"], obj["speedup"]
     (tmp_path / "old.json").write_text(json.dumps(obj))
     assert load_policy(tmp_path / "old.json").gate == {}
     assert Policy.load(tmp_path / "old.json").speculate(1000) is True
+
+
+def _speedup_policy(fitted, speedup):
+    return Policy.from_params(fitted.model_copy(update={"speedup": speedup, "gate": {b: r > 1 for b, r in
+                                                                                        speedup.items()}}))
+
+
+def test_the_gate_drafts_where_the_predicted_speedup_is_above_one_between_calibrated_sizes(fitted):
+    """Between calibrated sizes the speedup is linear in log B, at them it is the fitted value: random
+    tables, every batch size up to 4x the largest one, the decision is ``predicted > 1``."""
+    import math
+    import random
+
+    rng = random.Random()
+    for _ in range(20):
+        sizes = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128], rng.randint(1, 5)))
+        table = {b: rng.uniform(0.5, 2.5) for b in sizes}
+        policy = _speedup_policy(fitted, table)
+        for b, r in table.items():
+            assert policy.predicted_speedup(b) == pytest.approx(r)
+        for lo, hi in zip(sizes, sizes[1:]):
+            for b in range(lo, hi + 1):
+                t = (math.log(b) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                assert policy.predicted_speedup(b) == pytest.approx(table[lo] + t * (table[hi] - table[lo]))
+        for b in range(1, 4 * sizes[-1] + 1):
+            assert policy.speculate(b) == (policy.predicted_speedup(b) > 1)
+
+
+def test_past_the_largest_calibrated_size_the_prediction_never_rises_and_falls_with_the_batch(fitted):
+    """Beyond ``B_max`` the predicted speedup is at most the value at ``B_max``, at most that value times
+    ``B_max / B``, and non-increasing, so a gate off at some size stays off at every larger one."""
+    import random
+
+    rng = random.Random()
+    for _ in range(20):
+        sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 4)))
+        table = {b: rng.uniform(0.5, 3.0) for b in sizes}
+        policy = _speedup_policy(fitted, table)
+        b_max, r_max = sizes[-1], table[sizes[-1]]
+        previous, off = r_max, False
+        for b in range(b_max + 1, 8 * b_max + 2):
+            r = policy.predicted_speedup(b)
+            assert r <= previous + 1e-12 and r <= r_max * b_max / b + 1e-12
+            previous = r
+            off = off or not policy.speculate(b)
+            assert not (off and policy.speculate(b))
+
+
+def test_the_gate_turns_off_where_the_old_table_lookup_would_lose(fitted):
+    """The issue's failure, as a negative control: calibrated at B = 1 and 4 with speculation paying 1.3x at
+    4, the old lookup (the entry of the largest calibrated size <= B) drafts at B = 8 and 64; the prediction
+    gates B = 64 off (at most 1.3 * 4 / 64), and the old rule, planted, would keep drafting there."""
+    policy = _speedup_policy(fitted, {1: 1.6, 4: 1.3})
+    assert policy.speculate(4) and not policy.speculate(64)
+    old_rule = Policy.from_params(fitted.model_copy(update={"speedup": {}, "gate": {1: True, 4: True}}))
+    assert old_rule.speculate(64)  # the planted (previous) behaviour drafts where the prediction says 0.08x
+    assert policy.predicted_speedup(64) < 1 < 1.3
+
+
+def test_the_gate_ranges_are_the_decision_at_every_batch_size(fitted):
+    """``Policy.gate_ranges`` (vLLM's schedule) agrees with ``speculate`` at every batch size up to a bound,
+    ranges merged, ending at the bound."""
+    import random
+
+    rng = random.Random()
+    for _ in range(20):
+        sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128], rng.randint(1, 4)))
+        policy = _speedup_policy(fitted, {b: rng.uniform(0.4, 4.0) for b in sizes})
+        big = rng.choice([64, 300, 5000])
+        ranges = policy.gate_ranges(15, big)
+        assert ranges[0][0] == 1 and ranges[-1][1] == big
+        assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(ranges, ranges[1:]))
+        lookup = {b: k for start, end, k in ranges for b in range(start, end + 1)}
+        assert [lookup[b] for b in range(1, big + 1)] == [15 if policy.speculate(b) else 0
+                                                          for b in range(1, big + 1)]
+
+
+def test_a_speedup_table_is_read_strictly(tmp_path, fitted):
+    obj = json.loads(fitted.model_dump_json())
+    for bad, message in (({"4": 0.0}, "'speedup.4' is 0.0; a predicted speedup is a ratio of throughputs (> 0)"),
+                         ({"0": 1.2}, "'speedup' key 0 is not a batch size (>= 1)")):
+        (tmp_path / "bad.json").write_text(json.dumps({**obj, "speedup": bad}))
+        with pytest.raises(InputError) as e:
+            load_policy(tmp_path / "bad.json")
+        assert message in str(e.value) and "\n" not in str(e.value)

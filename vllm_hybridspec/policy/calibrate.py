@@ -42,11 +42,11 @@ def batched_rate(p: torch.Tensor, batch: int, candidates: list[int], curve: list
     return rate
 
 
-def speculation_pays(rate_b: float, batch: int, plain_ms: float) -> bool:
-    """The batch gate: speculate at batch size ``batch`` only when the
-    batched selector's pooled rate ``rho_B`` (tokens per ms) beats plain decoding's
-    ``batch / plain_ms``."""
-    return rate_b > batch / plain_ms
+def predicted_speedup(rate_b: float, batch: int, plain_ms: float) -> float:
+    """The batched selector's pooled rate ``rho_B`` (tokens per ms) over plain decoding's
+    ``batch / plain_ms``: the batch gate speculates at ``batch`` where it is above 1."""
+    return rate_b * plain_ms / batch
+
 
 
 def fit_policy(rounds: Rounds, costs: CostFile, min_length: int = 2,
@@ -84,7 +84,7 @@ def fit_policy(rounds: Rounds, costs: CostFile, min_length: int = 2,
         routing = RoutingParams(s=s, eta=eta, experts_per_token=k, later_layers=later,
                                 n_all=n_all, n_all_given=n_all_given)
 
-    batched, gate = {}, {}
+    batched, gate, speedup = {}, {}, {}
     for b, bc in sorted(costs.batched.items()):
         where = f"costs: batched.{b}.round_ms"
         c = cost_curve(bc.round_ms, w_max, bc.fixed_ms, where)
@@ -95,7 +95,8 @@ def fit_policy(rounds: Rounds, costs: CostFile, min_length: int = 2,
         batched[b] = BatchedParams(
             measured_lengths=sorted(bc.round_ms), quadratic=c.quadratic, fixed=c.fixed,
             curve=c.values(), candidates=cand, rate=batched_rate(p, b, cand, c.values(), c.fixed))
-        gate[b] = speculation_pays(batched[b].rate, b, bc.plain_ms or c.values()[0] + c.fixed)
+        speedup[b] = predicted_speedup(batched[b].rate, b, bc.plain_ms or c.values()[0] + c.fixed)
+        gate[b] = speedup[b] > 1.0
     if gate and not all(gate.values()):
         notes.append(f"batch gate: drafting off at batch sizes {[b for b, on in gate.items() if not on]}")
 
@@ -106,7 +107,7 @@ def fit_policy(rounds: Rounds, costs: CostFile, min_length: int = 2,
                                     intercept=float(acc.intercept)),
         cost=CostParams(measured_lengths=sorted(costs.round_ms), quadratic=curve.quadratic,
                         fixed=curve.fixed, curve=curve.values()),
-        rate=rate, routing=routing, batched=batched, gate=gate,
+        rate=rate, routing=routing, batched=batched, gate=gate, speedup=speedup,
         fit={"rounds": len(rounds), "untruncated_rounds": len(capture), **(provenance or {})},
     )
     return policy, notes

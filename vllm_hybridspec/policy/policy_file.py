@@ -23,12 +23,18 @@ Version 1 (``hybridspec calibrate fit`` writes it; times in milliseconds, length
       "batched": {"4": {"candidates": [2, 4, 8, 12, 16], "quadratic": [...], "fixed": float,
                         "curve": [W floats], "rate": float}},
       "gate": {"1": true, "64": false},                 # optional: speculate at batch size B?
+      "speedup": {"1": 1.8, "64": 0.9},                 # optional: predicted tokens/s over plain at B
       "fit": {...}                                      # provenance, free-form
     }
 
-``gate`` (optional, files without it load and never gate) is the batch gate: for a step
-with ``B`` requests the entry of the largest calibrated batch size ``<= B`` says whether to draft at
-all; below the smallest calibrated size drafting stays on.
+``speedup`` (optional) is the batch gate's source: at each calibrated batch size, the fitted
+speculation's tokens per ms over plain decoding's (``rho_B * plain_ms_B / B``). A step with ``B``
+requests drafts when the predicted speedup at ``B`` is above 1 (:meth:`Policy.predicted_speedup`:
+interpolated between calibrated sizes, and beyond the largest one never above what it was there nor
+above that value scaled by ``B_max / B``, as if speculation's throughput stopped growing with the batch
+while plain decoding's grew in proportion). ``gate`` holds the same decisions at the calibrated sizes;
+a file with ``gate`` and no ``speedup`` (files without either load and never gate) takes, for ``B``
+requests, the entry of the largest calibrated batch size ``<= B``, drafting below the smallest one.
 
 ``n_all[w0 - 1]`` is ``nbar_all(w0)`` and ``n_all_given[w0 - 1][n]`` is ``nbar_all(w0 | n)``.
 """
@@ -165,6 +171,7 @@ class PolicyFile(BaseModel):
     routing: RoutingParams | None = None
     batched: dict[int, BatchedParams] = {}
     gate: dict[int, bool] = {}
+    speedup: dict[int, float] = {}
     fit: dict[str, Any] = {}
 
     @model_validator(mode="before")
@@ -201,6 +208,11 @@ class PolicyFile(BaseModel):
         bad = [b for b in self.gate if b < 1]
         if bad:
             raise ValueError(f"'gate' key {bad[0]} is not a batch size (>= 1)")
+        for b, r in self.speedup.items():
+            if b < 1:
+                raise ValueError(f"'speedup' key {b} is not a batch size (>= 1)")
+            if not r > 0:
+                raise ValueError(f"'speedup.{b}' is {r}; a predicted speedup is a ratio of throughputs (> 0)")
         return self
 
 
@@ -252,6 +264,7 @@ class Policy:
     routing: RoutingTables | None
     batched: dict[int, BatchedCost]
     gate: dict[int, bool] = field(default_factory=dict)
+    speedup: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_params(cls, f: PolicyFile) -> Policy:
@@ -270,7 +283,7 @@ class Policy:
             cost=padded_curve(f.cost.curve), fixed=f.cost.fixed, rate=f.rate, routing=routing,
             batched={b: BatchedCost(torch.tensor(p.candidates), padded_curve(p.curve), p.fixed,
                                     p.rate) for b, p in f.batched.items()},
-            gate=dict(f.gate),
+            gate=dict(f.gate), speedup=dict(f.speedup),
         )
 
     @classmethod
@@ -285,7 +298,7 @@ class Policy:
             self.draft_len, self.min_length, self.acceptance.to(device, dtype),
             self.cost.to(device, dtype), self.fixed, self.rate, routing,
             {b: BatchedCost(c.candidates.to(device), c.cost.to(device, dtype), c.fixed, c.rate)
-             for b, c in self.batched.items()}, dict(self.gate))
+             for b, c in self.batched.items()}, dict(self.gate), dict(self.speedup))
 
     def full_length(self, batch: int, device) -> torch.Tensor:
         return torch.full((batch,), self.draft_len + 1, dtype=torch.int64, device=device)
@@ -327,9 +340,67 @@ class Policy:
         return None if self.routing is None else self.routing.n_all_given.shape[1] - 1
 
     def speculate(self, batch: int) -> bool:
-        """The batch gate: draft at all in a step with ``batch`` requests?  The entry of the largest
-        calibrated batch size ``<= batch``; on below the smallest one and without a gate table."""
+        """The batch gate: draft at all in a step with ``batch`` requests?  With a ``speedup`` table,
+        where the predicted speedup is above 1; otherwise the ``gate`` entry of the largest calibrated
+        batch size ``<= batch``, on below the smallest one and without a gate table."""
+        if self.speedup:
+            return self.predicted_speedup(batch) > 1.0
         return _at_or_below(self.gate, batch, True)
+
+    def predicted_speedup(self, batch: int) -> float:
+        """Speculation's predicted tokens per ms over plain decoding's at ``batch`` requests, from the
+        ``speedup`` table: the smallest calibrated size's value below it; linear in ``log B`` between
+        calibrated sizes; beyond the largest, ``B_max``, the line through the last two sizes with its
+        slope capped at 0, and never above ``speedup[B_max] * B_max / batch`` (speculation's throughput
+        taken as flat in ``B`` past the last measurement, plain decoding's as growing in proportion)."""
+        sizes = sorted(self.speedup)
+        if not sizes:
+            raise InputError("this policy file has no 'speedup' table (fit it from costs with batch sizes)")
+        r = [self.speedup[b] for b in sizes]
+        if batch <= sizes[0]:
+            return r[0]
+        x = math.log(batch)
+        i = bisect_right(sizes, batch)
+        if i < len(sizes):
+            x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
+            return r[i - 1] + (r[i] - r[i - 1]) * (x - x0) / (x1 - x0)
+        b_max, r_max = sizes[-1], r[-1]
+        line = r_max
+        if len(sizes) > 1:
+            slope = (r_max - r[-2]) / (math.log(b_max) - math.log(sizes[-2]))
+            line = r_max + min(slope, 0.0) * (x - math.log(b_max))
+        return min(line, r_max * b_max / batch)
+
+    def gate_ranges(self, k: int, big: int) -> list[list[int]]:
+        """The gate as vLLM's ``num_speculative_tokens_per_batch_size`` schedule: ``[[start, end, K or 0],
+        ...]`` covering batch sizes ``1..big``, adjacent sizes with the same decision merged. Beyond the
+        largest calibrated size the decision changes at most once (the predicted speedup only falls
+        there), so the sizes are scanned up to it and that one change is found by bisection."""
+        decide = self.speculate
+        sizes = sorted(self.speedup or self.gate) or [1]
+        dense = min(sizes[-1], big)
+        ranges: list[list[int]] = []
+
+        def add(start: int, end: int, on: bool) -> None:
+            if ranges and ranges[-1][2] == (k if on else 0) and ranges[-1][1] == start - 1:
+                ranges[-1][1] = end
+            else:
+                ranges.append([start, end, k if on else 0])
+
+        for b in range(1, dense + 1):
+            add(b, b, decide(b))
+        if dense < big:
+            on = decide(dense + 1)
+            if on and not decide(big):  # the first size past the last calibrated one that gates off
+                lo, hi = dense + 1, big
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if decide(mid) else (lo, mid)
+                add(dense + 1, lo, True)
+                add(hi, big, False)
+            else:
+                add(dense + 1, big, on)
+        return ranges
 
     def batched_cost(self, batch: int) -> BatchedCost:
         """The batched costs of the largest calibrated batch size ``<= batch`` (the smallest one

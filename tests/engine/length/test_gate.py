@@ -15,7 +15,7 @@ from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm_hybridspec.engine.length import gate as gate_module
 from vllm_hybridspec.engine.length.gate import gate_schedule, is_gate_schedule, sync_scheduler
 from vllm_hybridspec.engine.length.selector import LengthSelector
-from vllm_hybridspec.policy.policy_file import _at_or_below
+from vllm_hybridspec.policy.policy_file import Policy, _at_or_below
 
 from ...seeds import fresh_seed
 
@@ -33,10 +33,13 @@ def test_the_schedule_drafts_where_the_gate_table_does(draw):
     k, max_num_seqs = 15, 300
     sizes = sorted(set(torch.randint(1, 257, (int(torch.randint(1, 7, (), generator=gen)),), generator=gen).tolist()))
     gate = {b: bool(torch.rand((), generator=gen) < 0.5) for b in sizes}
-    lookup = build_dynamic_sd_schedule_lookup(gate_schedule(gate, k), vllm_max_batch_size=max_num_seqs,
+    policy = SimpleNamespace(gate=gate, speedup={})
+    policy.speculate = lambda b: _at_or_below(gate, b, True)
+    policy.gate_ranges = lambda k, big: Policy.gate_ranges(policy, k, big)
+    lookup = build_dynamic_sd_schedule_lookup(gate_schedule(policy, k), vllm_max_batch_size=max_num_seqs,
                                               vllm_num_speculative_tokens=k)
     assert lookup[1:] == [k if _at_or_below(gate, b, True) else 0 for b in range(1, max_num_seqs + 1)], gate
-    assert is_gate_schedule(gate_schedule(gate, k), k)
+    assert is_gate_schedule(gate_schedule(policy, k), k)
     assert not is_gate_schedule([[1, 4, k], [5, 8, 3]], k) and not is_gate_schedule(None, k)
 
 
@@ -58,7 +61,10 @@ def test_a_gate_schedule_keeps_full_graphs_and_any_other_is_vllms():
 def test_a_running_scheduler_follows_the_selector():
     scheduler = _Obj(scheduler_config=SimpleNamespace(max_num_seqs=16), dynamic_sd_lookup=None)
     config = SimpleNamespace(instance_id=f"test-{fresh_seed('instance')}")
-    selector = SimpleNamespace(k=7, drafting=True, gates=True, policy=SimpleNamespace(gate={1: True, 4: False}))
+    policy = SimpleNamespace(gate={1: True, 4: False}, speedup={})
+    policy.speculate = lambda b: _at_or_below(policy.gate, b, True)
+    policy.gate_ranges = lambda k, big: Policy.gate_ranges(policy, k, big)
+    selector = SimpleNamespace(k=7, drafting=True, gates=True, policy=policy)
     assert not sync_scheduler(config, selector)  # no scheduler in this process
     gate_module._SCHEDULERS[config.instance_id] = scheduler
     assert sync_scheduler(config, selector)

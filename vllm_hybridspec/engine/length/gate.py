@@ -34,15 +34,15 @@ from vllm_hybridspec.engine.compat import wrap_once
 BIG_BATCH = 1 << 20  # the end of the last range (vLLM caps it at max_num_seqs)
 
 
-def gate_schedule(gate: dict[int, bool], k: int) -> list[list[int]]:
-    """vLLM's ``[[range_start, range_end, K], ...]`` for a gate table (``Policy.speculate``: the entry
-    of the largest calibrated batch size ``<= batch``, drafting below the smallest one)."""
-    sizes = sorted(gate)
-    schedule = [[1, sizes[0] - 1, k]] if sizes[0] > 1 else []
-    for i, b in enumerate(sizes):
-        end = sizes[i + 1] - 1 if i + 1 < len(sizes) else BIG_BATCH
-        schedule.append([b, end, k if gate[b] else 0])
-    return schedule
+def gate_schedule(policy, k: int) -> list[list[int]]:
+    """vLLM's ``[[range_start, range_end, K or 0], ...]`` of a policy's batch gate: ``Policy.speculate``
+    at every batch size (``Policy.gate_ranges``)."""
+    return policy.gate_ranges(k, BIG_BATCH)
+
+
+def gates(policy) -> bool:
+    """Whether a policy has a batch gate (a ``speedup`` or a ``gate`` table)."""
+    return bool(policy.speedup or policy.gate)
 
 
 def is_gate_schedule(schedule, k: int) -> bool:
@@ -54,10 +54,10 @@ def scheduler_schedule(options, k: int) -> list[list[int]] | None:
     """The schedule of an engine's ``"hybridspec"`` options: its policy's gate table, when the gate is on."""
     if options.policy is None or not options.gate:
         return None
-    from vllm_hybridspec.policy.policy_file import load_policy
+    from vllm_hybridspec.policy.policy_file import Policy
 
-    gate = load_policy(options.policy).gate
-    return gate_schedule(gate, k) if gate else None
+    policy = Policy.load(options.policy)
+    return gate_schedule(policy, k) if gates(policy) else None
 
 
 # --- the running scheduler -----------------------------------------------------------------------
@@ -78,7 +78,7 @@ def sync_scheduler(vllm_config, selector) -> bool:
     if not selector.drafting:
         schedule = [[1, BIG_BATCH, 0]]
     elif selector.gates:
-        schedule = gate_schedule(selector.policy.gate, k)
+        schedule = gate_schedule(selector.policy, k)
     else:
         schedule = None
     scheduler.dynamic_sd_lookup = None if schedule is None else build_dynamic_sd_schedule_lookup(

@@ -57,7 +57,7 @@ class LengthSelector:
         # HybridSpec's routing correction: per-request selection with a policy that has routing tables
         self.routes = bool(options.select and not options.batched and options.routing is not False
                            and policy is not None and policy.routing is not None)
-        self.gates = bool(options.gate and self.policy is not None and self.policy.gate)
+        self.gates = bool(options.gate and self.policy is not None and (self.policy.gate or self.policy.speedup))
 
     def configure(self, *, fixed_length: int | None = None, policy: str | None = None,
                   gate: bool | None = None, batched: bool | None = None, drafting: bool = True,
