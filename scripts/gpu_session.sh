@@ -210,8 +210,8 @@ ref32|ref32full|ref32dense)
   [ "$STAGE" = ref32dense ] && GK=''
   HH="\"method\": \"hspec\", \"model\": \"models/$kind-hspec\", \"num_speculative_tokens\": 7"
   ROUTE=()  # the hybrid (4 of 32 experts per token): selected lengths with Stage 0 at the first MoE router too,
-  # from hand routing tables on the CPU policy (the reference models' records carry no Layer-0 counts)
-  if [ "$kind" = hybrid ]; then
+  # from hand routing tables on the CPU policy (the reference models' records carry no Layer-0 counts); ROUTE_CHECK=0: without it
+  if [ "$kind" = hybrid ] && [ "${ROUTE_CHECK:-1}" = 1 ]; then
     python3 -c 'import json; p = json.load(open("models/hybrid-hspec/policy_cpu.json")); p["routing"] = {"s": 0.6, "eta": 0.5, "experts_per_token": 4, "later_layers": False, "n_all": [2.0] * 7, "n_all_given": [[0.0, 1.0, 2.0, 3.0, 4.0]] * 7}; json.dump(p, open("/tmp/route_policy.json", "w"))'
     ROUTE=(--config hspec_route="{$HH, \"hybridspec\": {$GK \"policy\": \"/tmp/route_policy.json\", \"gate\": false}}")
   fi
@@ -245,17 +245,24 @@ refprof)
     [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); s = d.get('host_syncs', {}); print(sys.argv[1], 'step', round(d['mean_step_ms'], 3), 'ms, busy', d.get('gpu_busy_ms_per_step'), 'launches', d.get('kernel_launches_per_step'), 'syncs', s.get('per_step'), list(s.get('by_line', {}).items())[:6])" "$f"; done
   ;;
 refbs1)
+  # BATCHES (1), LENGTHS (1,8): ours' rows, and with UNTRIMMED=1 the K + 1 row without the selector too;
+  # PROMPTS: the prompt file (models/prompts/heldout.jsonl)
   HH='"method": "hspec", "model": "models/hybrid-hspec", "num_speculative_tokens": 7'
-  S=(--model models/hybrid --prompts models/prompts/heldout.jsonl --num-prompts 16 --dtype bfloat16 --gpu-mem 0.2
-     --max-num-seqs 4 --engine-args "$ENG" --batch-sizes 1 --steps 64 --warmup 8 --lengths 1,8)
+  S=(--model models/hybrid --prompts "${PROMPTS:-models/prompts/heldout.jsonl}" --num-prompts 16 --dtype bfloat16
+     --gpu-mem 0.2 --max-num-seqs 4 --engine-args "$ENG" --batch-sizes "${BATCHES:-1}" --steps 64 --warmup 8)
+  UT=(); [ "${UNTRIMMED:-0}" = 1 ] && UT=(--untrimmed)
   DC=''; [ "${FUSED_CONV:-0}" = 1 ] && DC='"gdn_fused_conv": true,'
   [ "${GROUPED:-0}" = 1 ] && DC="$DC \"drafter_grouped_attention\": true,"
-  run one_slot python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" \
+  run one_slot python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths "${LENGTHS:-1,8}" "${UT[@]}" \
     --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true}}" --out "$R/one_slot.json"
-  # vLLM's own GDN path verifies every draft (a shorter length is refused: engine/gdn/enable.py)
-  run vllm_gdn python3 -m vllm_hybridspec.cli spec-steps "${S[@]/1,8/8}" \
-    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm_gdn.json"
   run plain python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --out "$R/plain.json"
+  # AB_METADATA=1: ours again with vLLM's own GDN metadata builder (engine/gdn/metadata.py's short path off)
+  [ "${AB_METADATA:-0}" = 1 ] && VLLM_HYBRIDSPEC_GDN_METADATA=vllm run one_slot_vllm_md python3 -m vllm_hybridspec.cli \
+    spec-steps "${S[@]}" --lengths "${LENGTHS:-1,8}" "${UT[@]}" \
+    --speculative-config "{$HH, \"hybridspec\": {$DC \"gdn_kernel\": true}}" --out "$R/one_slot_vllm_md.json"
+  # vLLM's own GDN path verifies every draft (a shorter length is refused: engine/gdn/enable.py)
+  run vllm_gdn python3 -m vllm_hybridspec.cli spec-steps "${S[@]}" --lengths 8 \
+    --speculative-config "{$HH, \"hybridspec\": {\"gdn_kernel\": false}}" --out "$R/vllm_gdn.json"
   ;;
 headline-record|headline-costs|headline-ours|headline-plain|headline-vllm)
   # HybridSpec's Table 1 (docs/device.md, "The headline"): the 35B shape with LAYERS (40) layers, dummy weights, bf16,

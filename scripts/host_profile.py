@@ -7,14 +7,25 @@ output processing.
 
     VLLM_TARGET_DEVICE=cpu .venv/bin/python scripts/host_profile.py --engine plain --out /tmp/hp
     VLLM_TARGET_DEVICE=cpu .venv/bin/python scripts/host_profile.py --engine spec --lengths 1,8 --out /tmp/hp
+    VLLM_TARGET_DEVICE=cpu .venv/bin/python scripts/host_profile.py --engine vllm_path --dtype bfloat16 --out /tmp/hp
 
-``--engine plain``: the reference hybrid (``models/hybrid``) without a drafter. ``--engine spec``: with its
-H-Spec drafter (``models/hybrid-hspec``, K = 7) and ``"hybridspec": {"fixed_length": 8}``; per ``w`` of
-``--lengths`` the selector verifies ``w`` tokens per request (``w = 1``: drafting off, as the batch gate).
-Async scheduling is kept on (as on a GPU; ``CpuPlatform`` turns it off). Per measurement it writes
-``<out>/<name>.json`` (step and host ms per step: the main thread's CPU time, best of ``--repeats``; aten operators per step outside
-the excluded regions, by name) and ``<out>/<name>.cprofile.txt`` (cProfile, per-step cumulative ms of
-the plugin's functions and of the top vLLM ones).
+``--engine plain``: the reference hybrid (``models/hybrid``, or ``$HS_MODELS/hybrid``) without a drafter.
+``--engine spec``: with its H-Spec drafter (``models/hybrid-hspec``, K = 7) and ``"hybridspec":
+{"fixed_length": 8}``; per ``w`` of ``--lengths`` the selector verifies ``w`` tokens per request (``w = 1``:
+drafting off, as the batch gate). ``--engine vllm_path``: the same drafter verifying every draft with the
+target's GDN layers on vLLM's own spec path and no selector (``"hybridspec": {"gdn_kernel": false}``;
+vLLM's CPU GDN path needs ``--dtype bfloat16``). Async scheduling is kept on (as on a GPU;
+``CpuPlatform`` turns it off). Per measurement it writes ``<out>/<name>.json`` (step and host ms per step:
+the main thread's CPU time, best of ``--repeats``; aten operators per step outside the excluded regions,
+by name; among them the kernels, operators with no aten operator below them that are not views or
+allocations, what a GPU would launch; and the host reads, Python-level reads of tensor values
+(``item``, ``tolist``, ``nonzero``, ...) by line: a device sync on a GPU where the tensor lives on the
+device, so on the CPU, where every tensor does, an upper bound on a GPU's syncs), ``<out>/<name>.sources.txt``
+(torch calls from Python per step by calling line) and ``<out>/<name>.cprofile.txt`` (cProfile, per-step
+cumulative ms of the plugin's functions and of the top vLLM ones). ``--table FILE`` merges the rows into
+``docs/benchmarks/host_step.json`` (``config``: ``plain``, ``drafting_off``, ``ours_w<w>``,
+``vllm_path_w8``; ``B``, ``dtype``, ``aten_ops``, ``launches``, ``host_syncs`` (the host reads),
+``python_ms``, ``torch_calls``).
 
 The timing wrappers reach into vLLM 0.26 (``GPUModelRunner._model_forward``); this is a measurement
 script, not part of the engine.

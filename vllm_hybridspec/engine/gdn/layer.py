@@ -87,8 +87,11 @@ class HSpecQwenGDN(QwenGatedDeltaNetAttention):
 
     def get_attn_backend(self):
         """vLLM's GDN backend, whose metadata builder builds a pure spec-decode batch once per step for all
-        GDN groups (``metadata.py``) when the layer has one slot."""
-        if self.one_slot:
+        GDN groups (``metadata.py``) when the layer has one slot (``VLLM_HYBRIDSPEC_GDN_METADATA=vllm``:
+        vLLM's own builder, for measuring the two side by side)."""
+        import os
+
+        if self.one_slot and os.environ.get("VLLM_HYBRIDSPEC_GDN_METADATA", "one_slot") != "vllm":
             from vllm_hybridspec.engine.gdn.metadata import OneSlotGDNBackend
 
             return OneSlotGDNBackend
