@@ -57,12 +57,13 @@ def test_selected_counts_are_the_policy_lengths_capped_by_the_budget(tmp_path, g
     w_rem = torch.randint(1, K + 2, (n,), generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
     req_ids = [f"r{i}" for i in range(n)]
-    w = selector.select(drafts, conf, ent, w_rem, req_ids)
+    layout = selector.select(drafts, conf, ent, w_rem, req_ids)
+    w = layout.w
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
     assert w.dtype == torch.int32 and torch.equal(w.long(), torch.minimum(w0, w_rem))
     assert len(set(w0.tolist())) >= 3  # the confidences spread the lengths
-    selected, rows = selector.selected(drafts)
-    assert selected is w and rows == {r: i for i, r in enumerate(req_ids)}
+    assert selector.selected(drafts) is layout and layout.drafts is drafts and not layout.gated
+    assert layout.rows == {r: i for i, r in enumerate(req_ids)} and layout.expand is None
     assert selector.selected(drafts.clone()) is None  # another tensor: not ours to cut
     assert not selector.gated_step(drafts)
     stats = selector.stats()
@@ -78,7 +79,7 @@ def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, g
     w_rem = torch.full((n,), K + 1)
     w_rem[0] = 2
     w = selector.select(torch.zeros(n, K, dtype=torch.long), torch.rand(n, K, generator=gen),
-                        torch.rand(n, K, generator=gen), w_rem, list("abcdef"))
+                        torch.rand(n, K, generator=gen), w_rem, list("abcdef")).w
     shared = int(w[1])
     assert shared in (1, 4, 8) and (w[1:] == shared).all() and int(w[0]) == min(shared, 2)
 
@@ -87,7 +88,7 @@ def test_fixed_length_and_gate(tmp_path, gen):
     selector = LengthSelector(HybridSpecOptions(fixed_length=5), K, torch.device("cpu"), max_num_reqs=8)
     w_rem = torch.tensor([1, 3, 5, 8])
     w = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem,
-                        list("abcd"))
+                        list("abcd")).w
     assert w.tolist() == [1, 3, 5, 5] and selector.speculate(1000)  # no policy: no gate
     gated = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: True, 8: False})), K,
                            torch.device("cpu"), max_num_reqs=16)
@@ -128,17 +129,17 @@ def test_configure_switches_a_running_selector_between_modes(tmp_path, gen):
     ids = [f"r{i}" for i in range(n)]
 
     selector.configure(fixed_length=3)
-    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [3] * n
+    assert selector.select(drafts, conf, ent, w_rem, ids).w.tolist() == [3] * n
     selector.configure(drafting=False)
     assert selector.active and not selector.speculate(1) and not selector.speculate(64)
     selector.configure(policy=path)
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
-    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).long(), w0)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).w.long(), w0)
     assert selector.speculate(2) and not selector.speculate(4)  # the policy's gate
     selector.configure(policy=path, gate=False)
     assert selector.speculate(4)
     selector.configure()
-    assert selector.select(drafts, conf, ent, w_rem, ids).tolist() == [K + 1] * n and selector.speculate(4)
+    assert selector.select(drafts, conf, ent, w_rem, ids).w.tolist() == [K + 1] * n and selector.speculate(4)
     # trim=False: every draft verified without the selector (inactive: the runner patches pass through)
     selector.configure(trim=False)
     assert not selector.active and not selector.trims and selector.speculate(4)
@@ -179,7 +180,7 @@ def test_configure_refuses_trimmed_lengths_when_the_gdn_layers_run_vllms_own_pat
     n = 5
     conf, ent = torch.rand(n, K, generator=gen), torch.rand(n, K, generator=gen)
     drafts = torch.randint(0, 96, (n, K), generator=gen)
-    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1), list("abcde")).tolist() == [K + 1] * n
+    assert selector.select(drafts, conf, ent, torch.full((n,), K + 1), list("abcde")).w.tolist() == [K + 1] * n
     selector.configure(fixed_length=K + 1)
     selector.configure(drafting=False)
     assert not selector.speculate(1)
@@ -202,13 +203,13 @@ def test_with_routing_tables_the_selector_hands_stage0_each_rows_expansion_table
     ids = [f"r{i}" for i in range(n)]
     selector = LengthSelector(HybridSpecOptions(policy=path), K, torch.device("cpu"), max_num_reqs=64)
     assert selector.routes and not selector.stage0_ready
-    w = selector.select(drafts, conf, ent, w_rem, ids)
-    assert selector.expand is None  # no Stage 0 in this engine: the nominal lengths only
+    w = selector.select(drafts, conf, ent, w_rem, ids).w
+    assert selector.round.expand is None  # no Stage 0 in this engine: the nominal lengths only
     selector.stage0_ready = True
-    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids), w)
+    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).w, w)
     p, w0, u = policy.draft_side(conf, ent, w_rem)
     table = policy.expansion_table(p, w0, u)
-    assert torch.equal(w.long(), torch.minimum(w0, w_rem)) and torch.equal(selector.expand, table)
+    assert torch.equal(w.long(), torch.minimum(w0, w_rem)) and torch.equal(selector.round.expand, table)
     assert table.shape == (n, 5) and table.any() and not table.all()  # both answers drawn
     # the lookup is the policy's Stage 1 (Algorithm 1 line 11) at every count of new experts
     for new in range(5):
@@ -216,7 +217,7 @@ def test_with_routing_tables_the_selector_hands_stage0_each_rows_expansion_table
         want = policy.correct(p, w0, u, n_new, w_rem)
         assert torch.equal(torch.minimum(w0 + table[:, new].long(), w_rem), want)
     selector.gated(drafts)
-    assert selector.expand is None
+    assert selector.round.expand is None and selector.round.gated
     off = LengthSelector(HybridSpecOptions(policy=path, routing=False), K, torch.device("cpu"), max_num_reqs=64)
     assert not off.routes
     batched = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True, routing_topk=4), batched=True),

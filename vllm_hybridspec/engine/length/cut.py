@@ -202,18 +202,17 @@ def plan_step_cut(runner, scheduler_output) -> None:
     if cut is None:
         return
     selector = state.selector
-    found = None if selector is None else selector.selected(runner._draft_token_ids)
+    layout = None if selector is None else selector.selected(runner._draft_token_ids)
     n = runner.input_batch.num_reqs
-    if (found is None or not scheduler_output.scheduled_spec_decode_tokens
+    if (layout is None or not scheduler_output.scheduled_spec_decode_tokens
             or cuts_nothing(runner.input_batch.sampling_metadata)):
         if cut.active:
             cut.reset()
         return
-    w_prev, prev_rows = found
     spec_rows = runner.num_decode_draft_tokens.np[:n] > 0  # decode rows with drafts (others keep every token)
     cut.query_start_loc = runner.query_start_loc.gpu
-    cut.plan(w_prev, prev_rows, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1],
-             selector.expand)
+    cut.plan(layout.w, layout.rows, list(runner.input_batch.req_ids[:n]), spec_rows,
+             runner.query_start_loc.gpu[: n + 1], layout.expand)
 
 
 def sample_with_cut(runner, original, logits, spec_decode_metadata):

@@ -16,12 +16,34 @@ applies the same table where it can (``gate.py``), so the step schedules no draf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.policy.policy_file import Policy
 from vllm_hybridspec.policy.selector import select_shared_length
+
+
+@dataclass(frozen=True, eq=False)  # identity: the fields hold tensors
+class RoundLayout:
+    """What a drafting round decided for the step that verifies it, made once by the selector and read by
+    the runner patches: ``drafts`` ``[N, K]`` (the tensor vLLM hands back, the key by identity), ``w``
+    ``[N]`` int32 on the device (tokens each row verifies, the first included; ``None`` when every draft
+    is verified or the step is gated), ``rows`` (request id -> row of ``drafts``), ``expand`` ``[N, topk
+    + 1]`` bool (the routing correction's table, or ``None``) and ``gated`` (the batch gate turned the
+    step off on the host: its drafts are verified nowhere)."""
+
+    drafts: torch.Tensor
+    w: torch.Tensor | None = None
+    rows: dict[str, int] | None = None
+    expand: torch.Tensor | None = None
+    gated: bool = False
+
+    def of(self, drafts) -> RoundLayout | None:
+        """This layout when ``drafts`` is its round's tensor (the step that verifies it), else ``None``."""
+        return self if drafts is not None and drafts is self.drafts else None
 
 
 class LengthSelector:
@@ -40,13 +62,8 @@ class LengthSelector:
         self.steps = 0
         self.gated_steps = 0
         self.on_configure = None  # called with the selector after configure (gate.sync_scheduler)
-        self.drafts: torch.Tensor | None = None  # the [N, K] tensor the counts below belong to
-        self.w: torch.Tensor | None = None  # [N] int32 selected lengths (tokens to verify, the first included), on device
-        self.rows: dict[str, int] = {}  # request id -> its row of drafts and w
-        # [N, topk + 1] bool with the routing correction: d_{w0} kept given n new Layer-0 experts
-        self.expand: torch.Tensor | None = None
+        self.round: RoundLayout | None = None  # the last round's decisions (select, gated)
         self.stage0_ready = False  # the step's cut runs Stage 0 (set with StepCut.enable_routing at engine start)
-        self.gated_drafts = False  # the drafts are a gated step's, verified nowhere (known on the host)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
         self._no_drafts: dict[int, torch.Tensor] = {}  # n -> an [n, 0] drafts tensor (no_drafts)
 
@@ -111,7 +128,7 @@ class LengthSelector:
         """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
         self.steps += 1
         self.gated_steps += 1
-        self.drafts, self.w, self.rows, self.gated_drafts, self.expand = drafts, None, {}, True, None
+        self.round = RoundLayout(drafts, gated=True)
         return drafts
 
     def no_drafts(self, n: int, device) -> torch.Tensor:
@@ -123,11 +140,11 @@ class LengthSelector:
         return empty
 
     def select(self, drafts: torch.Tensor, top1_prob: torch.Tensor, entropy: torch.Tensor,
-               w_rem: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
+               w_rem: torch.Tensor, req_ids: list[str]) -> RoundLayout:
         """drafts, top1_prob, entropy: [N, K] (input-batch rows); w_rem: [N] int64, the most tokens
         a round may still produce for each request (>= 1); ``req_ids``: the requests of the ``N`` rows.
-        Returns ``w`` [N] int32, the selected lengths (tokens to verify per row, the first included), on
-        the device (nothing is copied to the host)."""
+        Returns the round's :class:`RoundLayout`, its ``w`` [N] int32 the selected lengths (tokens to
+        verify per row, the first included) on the device (nothing is copied to the host)."""
         n, k = drafts.shape
         self.steps += 1
         expand = None
@@ -153,25 +170,27 @@ class LengthSelector:
             w = broadcast_from_tp_rank0(w)
             if expand is not None:  # as bytes: not every collective backend broadcasts bool tensors
                 expand = broadcast_from_tp_rank0(expand.to(torch.uint8)).bool()
-        self.expand = expand
         self.length_counts.index_add_(0, w, self._ones[:n])  # length_counts[w] += 1
-        self.drafts, self.w, self.gated_drafts = drafts, w, False
-        self.rows = {r: i for i, r in enumerate(req_ids[:n])}
-        return w
+        self.round = RoundLayout(drafts, w, {r: i for i, r in enumerate(req_ids[:n])}, expand)
+        return self.round
 
     # --- read by the runner patches ----------------------------------------------------------------
 
-    def selected(self, drafts) -> tuple[torch.Tensor, dict[str, int]] | None:
-        """``(w [N] on the device, request id -> row)`` when ``drafts`` is the tensor this
-        selector last selected lengths for (``cut.py`` gathers them for the step that verifies it)."""
-        if drafts is None or drafts is not self.drafts or self.w is None:
-            return None
-        return self.w, self.rows
+    def layout_of(self, drafts) -> RoundLayout | None:
+        """The last round's :class:`RoundLayout` when ``drafts`` is its tensor (the step verifying it)."""
+        return None if self.round is None else self.round.of(drafts)
+
+    def selected(self, drafts) -> RoundLayout | None:
+        """The round's layout when ``drafts`` is the tensor this selector last selected lengths for
+        (``cut.py`` gathers them for the step that verifies it)."""
+        layout = self.layout_of(drafts)
+        return layout if layout is not None and layout.w is not None else None
 
     def gated_step(self, drafts) -> bool:
         """Whether ``drafts`` is the tensor of a gated step with drafts to take out of what vLLM
         schedules (``trimming.py``; a step the scheduler itself gated has none)."""
-        return drafts is not None and drafts is self.drafts and self.gated_drafts and drafts.shape[1] > 0
+        layout = self.layout_of(drafts)
+        return layout is not None and layout.gated and drafts.shape[1] > 0
 
     def stats(self) -> dict[str, object]:
         """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""

@@ -57,10 +57,8 @@ class ReplayHSpecProposer(HSpecProposer):
         if replay is None:  # no drafter round: K = 0, or the batch gate turned drafting off
             self.last_verified = self.last_accepted = None
             return drafts
-        selector = self.length_selector
-        kept = None
-        if selector is not None and selector.drafts is drafts and selector.w is not None:
-            kept = selector.w - 1  # [N] the drafts the selector left to verify
+        layout = None if self.length_selector is None else self.length_selector.selected(drafts)
+        kept = None if layout is None else layout.w - 1  # [N] the drafts the selector left to verify
         self.last_accepted, self.last_verified = self.lookup.count(replay, kept)
         return drafts
 
