@@ -112,3 +112,20 @@ def test_time_selector_refuses_a_policy_of_another_draft_length():
     result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--draft-len", "7",
                                  "--device", "cpu"])
     assert result.exit_code == 2 and "draft_len 15, not --draft-len 7" in result.output
+
+
+def test_time_selector_takes_the_draft_length_of_the_policy_it_is_given():
+    policy = ROOT / "models/hybrid-hspec/policy_cpu.json"   # draft_len 7, not the fitted default 15
+    result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--batch", "4",
+                                 "--samples", "2", "--replays", "1", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "B = 4, D = 7," in result.output
+    lo, hi = map(int, re.search(r"min (\d+), max (\d+)", result.output).groups())
+    assert 1 <= lo <= hi <= 8
+
+
+def test_synth_offers_one_routing_switch():
+    result = runner.invoke(app, ["calibrate", "synth", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    assert result.output.count("--no-routing") == 1 and "--no-no-routing" not in result.output
+    assert "--routing " not in result.output
