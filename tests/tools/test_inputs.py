@@ -162,6 +162,7 @@ def test_prompt_options_of_the_engine_commands(tmp_path, command):
 
 # (command, output option, "file" or "dir", other arguments, whether missing directories above are made)
 OUTPUTS = [
+    ("demo", "--json", "file", [], False),
     ("compare", "--out", "file", ["--model", DENSE, "--config", "plain=none", "--random-prompts"], False),
     ("evaluate", "--out-dir", "dir", ["--model", DENSE, "--speculative-config", "{}", "--modes", "plain",
                                       "--random-prompts"], True),
