@@ -25,7 +25,8 @@ class InputError(ValueError):
 # The labels pydantic puts in an error's location for the member of a union it tried
 # (``("round_ms", "2", "list[float]", 0)``): not fields, so left out of the path a user reads.
 _UNION_MEMBER = re.compile(r"(float|int|str|bool|none|(list|dict|tuple|set)\[.*\]|"
-                           r"(function|constrained)-[a-z-]+\[.*\])")
+                           r"(function|constrained)-[a-z-]+\[.*\]|"
+                           r"[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+)")  # a model class: StepTimes
 
 
 def in_union(loc: tuple) -> bool:
