@@ -265,9 +265,6 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
     import gc
 
     import vllm_hybridspec.tools.compare  # noqa: F401  (in-process engines: its environment defaults)
-    from vllm import LLM
-
-    from vllm_hybridspec.engine.compat import length_selector
     from vllm_hybridspec.policy.files import write_text_atomic
     from vllm_hybridspec.tools.engine_args import PromptOptions
     from vllm_hybridspec.train.reference.accept import engine_options
@@ -280,6 +277,10 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
                                 "(or rebuild them with `make models`)")
     log = log or Path(tempfile.gettempdir()) / f"hybridspec-demo-{os.getpid()}.log"
     log.write_text("")
+    with output_to(log):  # vLLM's import logs its platform and Triton checks
+        from vllm import LLM
+
+        from vllm_hybridspec.engine.compat import length_selector
     on_gpu = torch.cuda.is_available()
     engine = engine_options(models_dir, kind, max_num_seqs=8)
     prompts = PromptOptions(prompts=models_dir / "prompts" / "heldout.jsonl", num_prompts=num_prompts).load(str(target))
