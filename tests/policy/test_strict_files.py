@@ -148,3 +148,15 @@ def test_simulate_and_time_selector_refuse_a_policy_with_a_number_as_text(tmp_pa
                     str(policy), "'rate'", "'0.38'")
     one_line_exit_2(runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--device", "cpu"]),
                     str(policy), "'rate'", "'0.38'")
+
+
+def test_a_fit_whose_constant_term_is_negative_has_no_negative_fixed_cost(tmp_path):
+    """Round times 1, 3, 5 ms at w = 1, 2, 3 fit 2w - 1: without 'fixed_ms' the fixed cost is 0, not -1."""
+    from vllm_hybridspec.policy import Rounds, fit_policy
+
+    costs = load_costs(write(tmp_path, {"round_ms": {"1": 1.0, "2": 3.0, "3": 5.0}}))
+    policy, _ = fit_policy(Rounds.from_records(synthesize(300, seed=46)), costs)
+    c0, c1, c2 = policy.cost.quadratic
+    assert (c0, c1, c2) == pytest.approx((-1.0, 2.0, 0.0), abs=1e-9)
+    assert policy.cost.fixed == 0.0
+    assert policy.cost.curve[:3] == pytest.approx([1.0, 3.0, 5.0])

@@ -22,7 +22,7 @@ Cost file (JSON, times in milliseconds)::
 
 ``round_ms``          mean decode time per round (a number, or the samples) at each fixed length
                       ``w``; at least three lengths, all within 1..W.
-``fixed_ms``          optional; defaults to the quadratic's constant term.
+``fixed_ms``          optional; defaults to the quadratic's constant term (0 where that is negative).
 ``s_ms`` | ``stage0`` the Stage-0 cost of one more token, given directly or as Stage-0 latency
                       against tokens (its least-squares slope).  Optional: without ``s`` and
                       ``eta`` the policy has no routing correction.
@@ -192,7 +192,8 @@ def cost_curve(round_ms: dict[int, float | list[float]], max_len: int, fixed: fl
                          f"{len(lengths)} ({lengths})")
     mean = [float(np.mean(round_ms[w])) for w in lengths]
     c2, c1, c0 = np.polyfit(np.asarray(lengths, float), np.asarray(mean, float), 2)
-    curve = CostCurve((float(c0), float(c1), float(c2)), float(c0) if fixed is None else fixed,
+    # without a measured fixed cost, the constant term stands for it (a cost: not below 0 ms)
+    curve = CostCurve((float(c0), float(c1), float(c2)), max(float(c0), 0.0) if fixed is None else fixed,
                       max_len)
     if np.any(curve.round_time(np.arange(1, max_len + 1)) <= 0):
         raise InputError(f"{where}: the quadratic fit of {dict(zip(lengths, mean))} predicts a "

@@ -131,7 +131,7 @@ class CostParams(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     measured_lengths: list[Annotated[int, Field(ge=1)]] = Field(min_length=3)
     quadratic: tuple[float, float, float]
-    fixed: float = Field(ge=0, le=MAX_MS)
+    fixed: float = Field(ge=0)
     curve: list[float]
 
     _fin = field_validator("curve")(_finite)
