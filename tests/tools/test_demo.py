@@ -12,10 +12,11 @@ import pytest
 from vllm_hybridspec.tools.demo import Row, explain, output_to, rows_json, table
 
 
-def rows(policy_all=75.0, policy_one=30.0, gated=0, verified=None):
-    plain = Row("plain", 100.0, 20.0, 8, 2, 8, None)
-    policy = Row("policy", policy_all, policy_one, 8, 2, 8, 2.79, 7, verified or {1: 10, 3: 30, 8: 60}, 120, gated)
-    verify_all = Row("verify_all", 64.0, 21.0, 8, 2, 7, 3.10, 7, {}, 0, 0)
+def rows(policy_all=75.0, policy_one=30.0, gated=0, verified=None, load=0.5):
+    plain = Row("plain", 100.0, 20.0, 8, 2, 8, None, identical_one_at_a_time=2, load=load)
+    policy = Row("policy", policy_all, policy_one, 8, 2, 8, 2.79, 7, verified or {1: 10, 3: 30, 8: 60}, 120, gated,
+                 identical_one_at_a_time=2, load=load)
+    verify_all = Row("verify_all", 64.0, 21.0, 8, 2, 7, 3.10, 7, {}, 0, 0, identical_one_at_a_time=1, load=load)
     return [plain, policy, verify_all]
 
 
@@ -50,6 +51,15 @@ def test_the_table_puts_each_line_under_its_row_and_the_json_has_the_ratios():
     assert by["policy"]["ratio_one_at_a_time"] == pytest.approx(1.5)
     assert by["verify_all"]["identical"] == "7/8" and by["plain"]["ratio_all_at_once"] == 1.0
     assert by["policy"]["verified_at_length"] == {"1": 10, "3": 30, "8": 60}
+    assert by["verify_all"]["identical_one_at_a_time"] == "1/2"
+    assert "the machine was busy" not in table(rs)
+
+
+def test_a_busy_machine_is_said_under_the_table():
+    cores = os.cpu_count()
+    busy = table(rows(load=cores + 1.5)).splitlines()[-1]
+    assert busy == (f"  the machine was busy while these ran (1-minute load average up to {cores + 1.5:.1f} on {cores} "
+                    "cores): the ratios compare runs that other work slowed unevenly")
 
 
 def test_output_to_sends_c_level_and_python_output_to_the_log(tmp_path):

@@ -112,12 +112,14 @@ class Row:
     tokens_per_s_one_at_a_time: float | None
     prompts_all_at_once: int
     prompts_one_at_a_time: int
-    identical: int                    # prompts whose output equals plain decoding's
+    identical: int                    # prompts whose output equals plain decoding's (all at once)
     acceptance_length: float | None   # tokens per verifying round, the bonus token included
     drafts_per_round: int = 0         # K
     verified: dict[int, int] = field(default_factory=dict)  # rows verified at each length w (policy)
     steps: int = 0                    # drafting steps the selector saw
     gated_steps: int = 0              # of those, steps the batch gate ran without drafts
+    identical_one_at_a_time: int = 0  # of the prompts timed one at a time, those equal to plain decoding's
+    load: float = 0.0                 # the machine's highest 1-minute load average while the row ran
 
 
 def ratio(row: Row, plain: Row, one_at_a_time: bool = False) -> float | None:
@@ -174,6 +176,10 @@ def table(rows: list[Row]) -> str:
                      f"{(f'{r_one:.2f}x' if r_one else '-'):>6}  {r.prompts_all_at_once} together, "
                      f"{r.prompts_one_at_a_time} one at a time")
         lines.append(f"      {explain(r, plain)}")
+    cores, busiest = os.cpu_count() or 1, max(r.load for r in rows)
+    if busiest > cores:
+        lines.append(f"  the machine was busy while these ran (1-minute load average up to {busiest:.1f} on {cores} "
+                     f"cores): the ratios compare runs that other work slowed unevenly")
     return "\n".join(lines)
 
 
@@ -186,6 +192,8 @@ def rows_json(rows: list[Row]) -> dict:
         out.append({"config": r.config, "ratio_all_at_once": ratio(r, plain),
                     "ratio_one_at_a_time": ratio(r, plain, True),
                     "identical": f"{r.identical}/{r.prompts_all_at_once}",
+                    "identical_one_at_a_time": f"{r.identical_one_at_a_time}/{r.prompts_one_at_a_time}",
+                    "load_average": r.load,
                     "tokens_per_s_all_at_once": r.tokens_per_s_all_at_once,
                     "tokens_per_s_one_at_a_time": r.tokens_per_s_one_at_a_time,
                     "prompts_all_at_once": r.prompts_all_at_once, "prompts_one_at_a_time": r.prompts_one_at_a_time,
@@ -236,15 +244,19 @@ def measure(llm, config: str, prompts: list, plain_outputs: list | None, max_tok
     _, al = counter_delta(before, spec_counters(llm))
     stats1 = selector.stats() if selector is not None else None
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    bs1_tokens, t0 = 0, time.perf_counter()
-    for p in prompts[:bs1_prompts]:
-        bs1_tokens += len(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-    bs1_s = time.perf_counter() - t0
+    load = os.getloadavg()[0]
+    bs1_tokens, bs1_same, t0 = 0, 0, time.perf_counter()
     reference = plain_outputs if plain_outputs is not None else outputs
+    for p, expected in zip(prompts[:bs1_prompts], reference):
+        tokens = list(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        bs1_tokens += len(tokens)
+        bs1_same += tokens == expected
+    bs1_s = time.perf_counter() - t0
     row = Row(config=config, tokens_per_s_all_at_once=sum(map(len, outputs)) / batch_s,
               tokens_per_s_one_at_a_time=bs1_tokens / bs1_s if bs1_prompts else None,
               prompts_all_at_once=len(prompts), prompts_one_at_a_time=bs1_prompts,
-              identical=sum(a == b for a, b in zip(outputs, reference)), acceptance_length=al, drafts_per_round=k)
+              identical=sum(a == b for a, b in zip(outputs, reference)), acceptance_length=al, drafts_per_round=k,
+              identical_one_at_a_time=bs1_same, load=max(load, os.getloadavg()[0]))
     if stats0 is not None:
         row.verified = {w: c - stats0["rows_at_length"].get(w, 0) for w, c in stats1["rows_at_length"].items()
                         if c - stats0["rows_at_length"].get(w, 0)}
@@ -319,7 +331,8 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
         write_text_atomic(json_out, json.dumps(rows_json(rows), indent=1) + "\n")
         print(f"  wrote {json_out}")
     same = min(r.identical for r in rows)
-    ok = same == len(prompts)
+    same_one = min(r.identical_one_at_a_time for r in rows)
+    ok = same == len(prompts) and same_one == bs1_prompts
     print(f"  {'PASS' if ok else 'FAIL'}: every H-Spec setting's output identical to plain decoding on "
-          f"{same}/{len(prompts)} prompts")
+          f"{same}/{len(prompts)} prompts all at once and {same_one}/{bs1_prompts} one at a time")
     return ok
