@@ -35,7 +35,7 @@ def load(paths: list[Path]) -> list[dict]:
             load_compare(path)
             rows = json.loads(Path(path).read_text())["results"]
         except InputError as e:
-            raise typer.BadParameter(f"not a hybridspec compare result: {e}") from None
+            raise typer.BadParameter(str(e)) from None
         for r in rows:
             results.append({**r, "file": str(path)})
     return results

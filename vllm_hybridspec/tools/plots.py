@@ -40,11 +40,11 @@ def plot_rounds(
     from vllm_hybridspec.policy.errors import InputError
     from vllm_hybridspec.tools.result_files import load_compare, load_evaluate
 
-    for path, load, what in [(evaluate, load_evaluate, "evaluate"), *((p, load_compare, "compare") for p in compare)]:
+    for path, load in [(evaluate, load_evaluate), *((p, load_compare) for p in compare)]:
         try:
             load(path)
         except InputError as e:
-            raise typer.BadParameter(f"not a hybridspec {what} result: {e}") from None
+            raise typer.BadParameter(str(e)) from None
     result = json.loads(evaluate.read_text())
     batches = sorted({r["batch"] for r in result["costs"]})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4))

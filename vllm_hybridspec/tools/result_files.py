@@ -10,6 +10,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_hybridspec.policy.errors import InputError
 from vllm_hybridspec.policy.files import read_model
 
 # the fields named here are checked, the rest of a result passes as it is
@@ -93,9 +94,19 @@ class EvaluateResult(BaseModel):
         return self
 
 
+def _read(path: str | Path, what: str, model):
+    """``model`` read from ``path``; a file that does not fit is ``PATH: not a hybridspec WHAT result: why``."""
+    try:
+        return read_model(path, f"hybridspec {what} result", model)
+    except InputError as e:
+        if not str(e).startswith(f"{path}: "):  # no such file, or a directory: said as it is
+            raise
+        raise InputError(f"{path}: not a hybridspec {what} result: {str(e).removeprefix(f'{path}: ')}") from None
+
+
 def load_compare(path: str | Path) -> CompareResult:
-    return read_model(path, "hybridspec compare result", CompareResult)
+    return _read(path, "compare", CompareResult)
 
 
 def load_evaluate(path: str | Path) -> EvaluateResult:
-    return read_model(path, "hybridspec evaluate result", EvaluateResult)
+    return _read(path, "evaluate", EvaluateResult)
