@@ -260,3 +260,18 @@ def test_the_engine_log_names_an_hspec_configuration_by_the_method_asked_for():
     assert SpeculativeConfig.__repr__(config("ngram", None)) == (
         "SpeculativeConfig(method='ngram', model=None, num_spec_tokens=7)")
     assert SpeculativeConfig.__repr__.__wrapped__.__qualname__ == "SpeculativeConfig.__repr__"
+
+
+def test_a_policy_file_with_a_number_as_text_is_refused_at_engine_start(tmp_path):
+    """The engine reads the policy file with the same strict reader as the commands: one line naming the
+    file, the field and the value, before any worker starts."""
+    hybrid = SimpleNamespace(hf_config=AutoConfig.from_pretrained(MODELS / "hybrid"))
+    policy = json.loads((MODELS / "hybrid-hspec" / "policy_cpu.json").read_text())
+    policy["gate"] = {"4": "true"}
+    bad = tmp_path / "policy.json"
+    bad.write_text(json.dumps(policy))
+    spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7,
+            "hybridspec": {"policy": str(bad)}}
+    message = refusal(hybrid, spec)
+    assert len(message.splitlines()) == 1
+    assert str(bad) in message and "'gate.4'" in message and "'true'" in message and "valid boolean" in message
