@@ -179,6 +179,13 @@ def test_compare_report_refuses_a_malformed_result_in_one_line(tmp_path, edit, w
     (lambda d: next(iter(d["modes"].values()))["steps"]["1"].update(tokens_per_s=float("inf")),
      ["is Infinity", "finite"]),
     (lambda d: d.update(modes={}), ["'modes'", "at least 1 item"]),
+    (lambda d: d.pop("costs"), ["required field 'costs' is missing"]),
+    (lambda d: d["costs"][0].update(steps=0), ["'costs[0].steps'", "greater than or equal to 1"]),
+    (lambda d: d["costs"][0].update(tokens_per_step=True), ["'costs[0].tokens_per_step'", "valid number", "True"]),
+    (lambda d: d["costs"][0].update(median_ms=None), ["'costs[0].median_ms'", "valid number", "None"]),
+    (lambda d: next(iter(d["modes"].values()))["steps"]["1"].update(tokens_per_s="133"),
+     ["tokens_per_s'", "valid number", "'133'"]),
+    (lambda d: d.update(costs={"1": d["costs"][0]}), ["'costs'", "valid array"]),
 ])
 def test_plot_rounds_refuses_a_malformed_evaluate_result_in_one_line(tmp_path, edit, words):
     bad = tmp_path / "evaluate.json"
