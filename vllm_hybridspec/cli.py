@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from typer.core import TyperGroup
 
@@ -85,14 +87,23 @@ def demo(
     batch: int = typer.Option(3, min=1, help="kernel round: sequences verified together"),
     layers: int = typer.Option(3, min=1, help="kernel round: GDN layers committed in one launch"),
     seed: int = typer.Option(0, min=0),
+    json_out: Path | None = typer.Option(None, "--json", help="also write the serving table as JSON: "
+                                         '{"rows": [{"config", "ratio_all_at_once", "ratio_one_at_a_time", '
+                                         '"identical", ...}]}'),
 ) -> None:
-    """Serve a reference model through vLLM with its H-Spec drafter and check the output equals plain
-    decoding; then verify and commit one GDN round with the kernels against the reference."""
+    """Serve a reference model through vLLM: plain decoding, then H-Spec with the drafter's shipped
+    length policy (its lengths and batch gate) and with every draft verified, each checked token for
+    token against plain decoding; then verify and commit one GDN round with the kernels against the
+    reference."""
     from vllm_hybridspec.tools.demo import run_gdn_round_demo, run_serving_demo
+    from vllm_hybridspec.tools.engine_args import output_path
 
     if kind not in ("hybrid", "dense"):
         raise typer.BadParameter(f"--kind must be hybrid or dense, got {kind!r}")
-    ok = run_serving_demo(kind, num_prompts, max_tokens) if serve else True
+    if json_out is not None and not serve:
+        raise typer.BadParameter("--json writes the serving table, which --no-serve leaves out")
+    output_path(json_out, "--json", make_parents=False)
+    ok = run_serving_demo(kind, num_prompts, max_tokens, json_out=json_out) if serve else True
     ok = run_gdn_round_demo(max_len=max_len, batch=batch, layers=layers, seed=seed) and ok
     raise typer.Exit(0 if ok else 1)
 

@@ -232,3 +232,46 @@ def test_routing_tables_must_fit_the_targets_router(tmp_path):
     resolve_speculative_config({**spec, "hybridspec": {"policy": other, "routing": False}}, hybrid)
     dense_spec = {"method": "hspec", "model": str(MODELS / "dense-hspec"), "num_speculative_tokens": 7}
     assert "the target has no mixture-of-experts router" in refusal(dense, {**dense_spec, "hybridspec": {"policy": fits}})
+
+
+def test_the_engine_log_names_an_hspec_configuration_by_the_method_asked_for():
+    """vLLM's start-up line prints ``speculative_config={...!r}`` (``VllmConfig.__str__``); the wrapped
+    ``SpeculativeConfig.__repr__`` names "hspec" for an H-Spec drafter and leaves other methods alone."""
+    import inspect
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.config.vllm import VllmConfig
+
+    from vllm_hybridspec.engine.compat import HSPEC_ARCHITECTURE
+    from vllm_hybridspec.engine.config import patch_speculative_config_repr
+
+    assert "speculative_config={self.speculative_config!r}" in inspect.getsource(VllmConfig.__str__)
+    patch_speculative_config_repr()
+    patch_speculative_config_repr()  # idempotent: one wrapper in the chain
+
+    def config(method, architectures):
+        draft = SimpleNamespace(model="models/hybrid-hspec", hf_config=SimpleNamespace(architectures=architectures))
+        return SimpleNamespace(method=method, draft_model_config=draft, num_speculative_tokens=7)
+
+    assert SpeculativeConfig.__repr__(config("dflash", [HSPEC_ARCHITECTURE])) == (
+        "SpeculativeConfig(method='hspec' (vLLM path 'dflash'), model='models/hybrid-hspec', num_spec_tokens=7)")
+    assert SpeculativeConfig.__repr__(config("dflash", ["DFlashDraftModel"])) == (
+        "SpeculativeConfig(method='dflash', model='models/hybrid-hspec', num_spec_tokens=7)")
+    assert SpeculativeConfig.__repr__(config("ngram", None)) == (
+        "SpeculativeConfig(method='ngram', model=None, num_spec_tokens=7)")
+    assert SpeculativeConfig.__repr__.__wrapped__.__qualname__ == "SpeculativeConfig.__repr__"
+
+
+def test_a_policy_file_with_a_number_as_text_is_refused_at_engine_start(tmp_path):
+    """The engine reads the policy file with the same strict reader as the commands: one line naming the
+    file, the field and the value, before any worker starts."""
+    hybrid = SimpleNamespace(hf_config=AutoConfig.from_pretrained(MODELS / "hybrid"))
+    policy = json.loads((MODELS / "hybrid-hspec" / "policy_cpu.json").read_text())
+    policy["gate"] = {"4": "true"}
+    bad = tmp_path / "policy.json"
+    bad.write_text(json.dumps(policy))
+    spec = {"method": "hspec", "model": str(MODELS / "hybrid-hspec"), "num_speculative_tokens": 7,
+            "hybridspec": {"policy": str(bad)}}
+    message = refusal(hybrid, spec)
+    assert len(message.splitlines()) == 1
+    assert str(bad) in message and "'gate.4'" in message and "'true'" in message and "valid boolean" in message

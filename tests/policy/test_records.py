@@ -56,6 +56,12 @@ def test_round_trip(tmp_path):
     (good(acepted=1), "line 2", ["field 'acepted': unknown key (did you mean 'accepted'?); valid keys here: conf, ent"]),
     (good(conf=[0.9, 0.5], ent=[0.1, 0.2]), "line 2", ["has 2 entries", "D = 3"]),
     (good(p_true=[0.5, 0.6, 0.1]), "line 2", ["'p_true' must be non-increasing"]),
+    (good(conf=[0.9, "0.5", 0.2]), "line 2", ["'conf[1]'", "valid number", "'0.5'"]),
+    ('{"conf": [0.9, 0.5, 0.2], "ent": [0.1, NaN, 2.0], "accepted": 1}', "line 2", ["'ent'", "nan"]),
+    (good(accepted=True), "line 2", ["'accepted'", "valid integer", "True"]),
+    (good(remaining=0), "line 2", ["'remaining'", "greater than or equal to 1"]),
+    (good(n_new_l0=[1.0, 2, 0]), "line 2", ["'n_new_l0[0]'", "valid integer", "1.0"]),
+    (good(request="7"), "line 2", ["'request'", "valid integer", "'7'"]),
 ])
 def test_malformed_line_is_named(tmp_path, bad, where, words):
     path = tmp_path / "r.jsonl"

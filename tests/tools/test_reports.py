@@ -9,6 +9,7 @@ import random
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from vllm_hybridspec.cli import app
@@ -112,3 +113,88 @@ def test_time_selector_refuses_a_policy_of_another_draft_length():
     result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--draft-len", "7",
                                  "--device", "cpu"])
     assert result.exit_code == 2 and "draft_len 15, not --draft-len 7" in result.output
+
+
+def test_time_selector_takes_the_draft_length_of_the_policy_it_is_given():
+    policy = ROOT / "models/hybrid-hspec/policy_cpu.json"   # draft_len 7, not the fitted default 15
+    result = runner.invoke(app, ["calibrate", "time-selector", "--policy", str(policy), "--batch", "4",
+                                 "--samples", "2", "--replays", "1", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "B = 4, D = 7," in result.output
+    lo, hi = map(int, re.search(r"min (\d+), max (\d+)", result.output).groups())
+    assert 1 <= lo <= hi <= 8
+
+
+def test_synth_offers_one_routing_switch():
+    result = runner.invoke(app, ["calibrate", "synth", "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    assert result.output.count("--no-routing") == 1 and "--no-no-routing" not in result.output
+    assert "--routing " not in result.output
+
+
+COMPARE = ROOT / "docs/benchmarks/h200-2026-12-01/compare-hybrid-float32.json"
+EVALUATE = ROOT / "docs/benchmarks/h200-2026-12-01/eval-35b/evaluate.json"
+
+
+def _edited(path, edit):
+    doc = json.loads(path.read_text())
+    edit(doc)
+    return doc
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d["results"][0].update(kv_capacity_tokens="1000"), ["'results[0].kv_capacity_tokens'", "valid integer"]),
+    (lambda d: d["results"][0].update(kv_capacity_tokens=-5), ["'results[0].kv_capacity_tokens'", "-5"]),
+    (lambda d: d["results"][1].update(mean_acceptance_length=0.4), ["'results[1].mean_acceptance_length'", "0.4"]),
+    (lambda d: d["results"][0].update(engine_start_s=float("nan")), ["'results[0].engine_start_s' is NaN", "finite"]),
+    (lambda d: d["results"][0]["outputs"][0].__setitem__(0, 1.5), ["'results[0].outputs[0][0]'", "1.5"]),
+    (lambda d: d["results"][0]["outputs"][0].__setitem__(0, "17"), ["'results[0].outputs[0][0]'", "'17'"]),
+    (lambda d: d["results"][1].update(outputs=d["results"][1]["outputs"][:-1], top2_gaps=None),
+     ["outputs of", "one prompt set"]),
+    (lambda d: d["results"][0].pop("outputs"), ["no 'error', so it needs 'outputs'"]),
+    (lambda d: d["results"][0]["top2_gaps"][0].append(0.1), ["'top2_gaps' needs one gap per output token"]),
+    (lambda d: d["results"][0].update(round_ms={"B1_wplain": {"batch": 0, "length": None, "steps": 8, "mean_ms": 1.0,
+                                                              "median_ms": 1.0, "tokens_per_step": 1.0}}),
+     ["'results[0].round_ms.B1_wplain.batch'", "greater than or equal to 1"]),
+    (lambda d: d.update(results=[]), ["'results'", "at least 1 item"]),
+    (lambda d: d["results"][0].update(name=7), ["'results[0].name'", "valid string"]),
+])
+def test_compare_report_refuses_a_malformed_result_in_one_line(tmp_path, edit, words):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_edited(COMPARE, edit)))
+    result = runner.invoke(app, ["compare-report", str(bad)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "not a hybridspec compare result" in line and str(bad) in line
+    for w in words:
+        assert w in line, (w, line)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d["costs"][0].update(mean_ms="7.2"), ["'costs[0].mean_ms'", "valid number", "'7.2'"]),
+    (lambda d: d["costs"][0].update(mean_ms=-1.0), ["'costs[0].mean_ms'", "greater than or equal to 0"]),
+    (lambda d: d["costs"][0].update(batch=1.0), ["'costs[0].batch'", "valid integer"]),
+    (lambda d: d["costs"][0].update(length=0), ["'costs[0].length'", "greater than or equal to 1"]),
+    (lambda d: next(iter(d["modes"].values()))["steps"].pop("4"), ["has no 'steps' at batch size 4"]),
+    (lambda d: next(iter(d["modes"].values()))["steps"]["1"].update(tokens_per_s=float("inf")),
+     ["is Infinity", "finite"]),
+    (lambda d: d.update(modes={}), ["'modes'", "at least 1 item"]),
+    (lambda d: d.pop("costs"), ["required field 'costs' is missing"]),
+    (lambda d: d["costs"][0].update(steps=0), ["'costs[0].steps'", "greater than or equal to 1"]),
+    (lambda d: d["costs"][0].update(tokens_per_step=True), ["'costs[0].tokens_per_step'", "valid number", "True"]),
+    (lambda d: d["costs"][0].update(median_ms=None), ["'costs[0].median_ms'", "valid number", "None"]),
+    (lambda d: next(iter(d["modes"].values()))["steps"]["1"].update(tokens_per_s="133"),
+     ["tokens_per_s'", "valid number", "'133'"]),
+    (lambda d: d.update(costs={"1": d["costs"][0]}), ["'costs'", "valid array"]),
+])
+def test_plot_rounds_refuses_a_malformed_evaluate_result_in_one_line(tmp_path, edit, words):
+    bad = tmp_path / "evaluate.json"
+    bad.write_text(json.dumps(_edited(EVALUATE, edit)))
+    out = tmp_path / "x.png"
+    result = runner.invoke(app, ["plot-rounds", str(bad), "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and "not a hybridspec evaluate result" in line and str(bad) in line
+    for w in words:
+        assert w in line, (w, line)
+    assert not out.exists()

@@ -5,6 +5,7 @@ the field instead of a KeyError half-way through the plots."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,26 +40,38 @@ class _List:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    # finite: Python's JSON reader accepts NaN and Infinity, which no measured quantity can be
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-_NUMBER = _Value("a number", _is_number)
-_NUMBER_OR_NULL = _Value("a number or null", lambda v: v is None or _is_number(v))
+def _at_least(low: float, most: float = math.inf) -> Callable[[object], bool]:
+    return lambda v: _is_number(v) and low <= v <= most
+
+
+def _or_null(value: _Value) -> _Value:
+    return _Value(f"{value.expected} or null", lambda v: v is None or value.accepts(v))
+
+
+_NONNEG = _Value("a finite number >= 0", _at_least(0.0))         # times, throughputs
+_NONNEG_OR_NULL = _or_null(_NONNEG)
+_SHARE_OR_NULL = _or_null(_Value("a share in [0, 1]", _at_least(0.0, 1.0)))  # KV cache usage
 _COUNT = _Value("an integer >= 0", _is_count)
 _TEXT = _Value("a string", lambda v: isinstance(v, str))
-_SUMMARY = _Object({"mean": _NUMBER_OR_NULL, "p50": _NUMBER_OR_NULL, "p99": _NUMBER_OR_NULL})
+_SUMMARY = _Object({"mean": _NONNEG_OR_NULL, "p50": _NONNEG_OR_NULL, "p99": _NONNEG_OR_NULL})
 _LEVEL = _Object(
     required={"concurrency": _Value("an integer >= 1", lambda v: _is_count(v) and v >= 1), "completed": _COUNT,
-              "failed": _COUNT, "output_throughput": _NUMBER_OR_NULL, "request_throughput": _NUMBER_OR_NULL,
+              "failed": _COUNT, "output_throughput": _NONNEG_OR_NULL, "request_throughput": _NONNEG_OR_NULL,
               "ttft_s": _SUMMARY, "itl_s": _SUMMARY, "e2e_s": _SUMMARY},
-    optional={"not_sent": _COUNT, "status": _TEXT, "mean_acceptance_length": _NUMBER_OR_NULL,
-              "kv_cache_usage": _Object({}, {"mean": _NUMBER_OR_NULL, "max": _NUMBER_OR_NULL}, nullable=True),
-              "output_throughput_spread": _Object({"min": _NUMBER, "max": _NUMBER,
-                                                   "repeats": _List(_NUMBER, "a list of numbers")}, nullable=True)})
+    optional={"not_sent": _COUNT, "status": _TEXT,
+              # tokens per verifying round: the bonus token at least
+              "mean_acceptance_length": _or_null(_Value("a finite number >= 1", _at_least(1.0))),
+              "kv_cache_usage": _Object({}, {"mean": _SHARE_OR_NULL, "max": _SHARE_OR_NULL}, nullable=True),
+              "output_throughput_spread": _Object({"min": _NONNEG, "max": _NONNEG,
+                                                   "repeats": _List(_NONNEG, "a list of numbers")}, nullable=True)})
 _RESULT = _Object({"status": _TEXT, "levels": _List(_LEVEL, "a list of levels (objects with concurrency, completed, ...)")},
                   {"config": _Object({}), "error": _Value("a string or null", lambda v: v is None or isinstance(v, str))})
 
@@ -112,6 +125,23 @@ def load_result_json(path: Path) -> dict:
         raise InvalidResult(f"{path}: a `hybridspec soak` result; the report reads `hybridspec bench` results.")
     try:
         _check(doc, _RESULT, "")
+        _consistent(doc)
     except _Bad as e:
         raise InvalidResult(f"{path}: {e}") from None
     return doc
+
+
+def _consistent(doc: dict) -> None:
+    """What the fields say together: one level per concurrency, a spread whose min is not above its max
+    and holds its repeats."""
+    seen = set()
+    for i, level in enumerate(doc["levels"]):
+        if level["concurrency"] in seen:
+            raise _Bad(f"levels[{i}].concurrency", f"{level['concurrency']} is measured twice; one level per "
+                                                   "concurrency")
+        seen.add(level["concurrency"])
+        spread = level.get("output_throughput_spread")
+        if spread and not (spread["min"] <= min(spread["repeats"], default=spread["min"])
+                           and max(spread["repeats"], default=spread["max"]) <= spread["max"]):
+            raise _Bad(f"levels[{i}].output_throughput_spread",
+                       f"min {spread['min']} and max {spread['max']} do not hold the repeats {spread['repeats']}")

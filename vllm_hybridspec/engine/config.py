@@ -272,7 +272,32 @@ def _wrap_create_speculative_config(resolve) -> None:
     wrap_once(EngineArgs, "create_speculative_config", make)
 
 
+def hspec_repr(speculative_config) -> str:
+    """How an H-Spec configuration reads in vLLM's logs: by the method the user asked for, with the
+    vLLM path it runs on, ``SpeculativeConfig(method='hspec' (vLLM path 'dflash'), model=..., num_spec_tokens=7)``."""
+    return (f"SpeculativeConfig(method={HSPEC_METHOD!r} (vLLM path 'dflash'), "
+            f"model={speculative_config.draft_model_config.model!r}, "
+            f"num_spec_tokens={speculative_config.num_speculative_tokens})")
+
+
+def patch_speculative_config_repr() -> None:
+    """Wrap ``vllm.config.speculative.SpeculativeConfig.__repr__``, which the engine's start-up line
+    ("Initializing a V1 LLM engine ... speculative_config=...") prints through ``VllmConfig.__str__``:
+    an H-Spec configuration runs as vLLM's ``"dflash"`` method (see :func:`_resolve_method`) and would
+    otherwise be logged under that name."""
+    from vllm.config.speculative import SpeculativeConfig
+
+    def make(original):
+        def __repr__(self) -> str:
+            return hspec_repr(self) if is_hspec_speculative_config(self) else original(self)
+
+        return __repr__
+
+    wrap_once(SpeculativeConfig, "__repr__", make)
+
+
 def install() -> None:
     # vLLM loads the drafter with the engine's load format, which says which weight files it reads
     _wrap_create_speculative_config(
         lambda engine_args, spec, target: resolve_speculative_config(spec, target, engine_args.load_format))
+    patch_speculative_config_repr()

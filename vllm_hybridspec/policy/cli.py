@@ -77,7 +77,7 @@ def synth(
     costs_out: Path | None = typer.Option(None, help="also write a matching cost file here"),
     summary_out: Path | None = typer.Option(None, help="with --profile: also write its parameters, "
                                                        "the command and the statistics (JSON)"),
-    no_routing: bool = typer.Option(False, help="leave out the expert counts"),
+    no_routing: bool = typer.Option(False, "--no-routing", help="leave out the expert counts"),
 ) -> None:
     """Synthetic capture-run records (with p_true): the default generator, whose acceptance depends
     on confidence, or a named profile that reproduces a published drafter's acceptance."""

@@ -22,7 +22,7 @@ Cost file (JSON, times in milliseconds)::
 
 ``round_ms``          mean decode time per round (a number, or the samples) at each fixed length
                       ``w``; at least three lengths, all within 1..W.
-``fixed_ms``          optional; defaults to the quadratic's constant term.
+``fixed_ms``          optional; defaults to the quadratic's constant term (0 where that is negative).
 ``s_ms`` | ``stage0`` the Stage-0 cost of one more token, given directly or as Stage-0 latency
                       against tokens (its least-squares slope).  Optional: without ``s`` and
                       ``eta`` the policy has no routing correction.
@@ -42,17 +42,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .errors import InputError, describe
-from .files import read_json, refuse_non_finite
+from .errors import InputError
+from .files import read_model
 from .records import Rounds
 
 MIN_CELL_TOKENS = 30  # paper: sparser cells of nbar_all(w0 | n) use a linear fit in n
+
+
+# The range a measured time can have (milliseconds): a microsecond at least (one kernel launch), and
+# less than a minute for one decode round of any model; outside it a file has a unit or typing slip.
+MIN_MS, MAX_MS = 1e-3, 60_000.0
+Ms = Annotated[float, Field(ge=0, le=MAX_MS)]
+BatchSize = Annotated[int, Field(ge=1)]
 
 
 def _positive_times(v: dict[int, float | list[float]]) -> dict[int, float | list[float]]:
@@ -61,18 +68,29 @@ def _positive_times(v: dict[int, float | list[float]]) -> dict[int, float | list
         if not samples:
             raise ValueError(f"length {w} has an empty list of samples")
         for x in samples:
-            if not (math.isfinite(x) and x > 0):
-                raise ValueError(f"length {w} has time {x!r}; times must be finite and > 0 ms")
+            if not (math.isfinite(x) and MIN_MS <= x <= MAX_MS):
+                raise ValueError(f"length {w} has time {x!r} ms; a round time must be finite and within "
+                                 f"{MIN_MS:g}..{MAX_MS:g} ms")
         if w < 1:
             raise ValueError(f"length {w} is not a verification length (lengths start at 1)")
     return v
 
 
+def _fixed_below_rounds(round_ms: dict[int, float | list[float]], fixed_ms: float | None, where: str) -> None:
+    """``fixed`` is the part of a round that does not depend on ``w``: less than every measured round."""
+    if fixed_ms is None or not round_ms:
+        return
+    shortest = min(float(np.mean(t)) for t in round_ms.values())
+    if fixed_ms >= shortest:
+        raise ValueError(f"'{where}fixed_ms' is {fixed_ms} ms, not below the shortest mean round time "
+                         f"{shortest:g} ms; it is the part of a round that does not depend on w")
+
+
 class LatencySeries(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tokens: list[float] | None = None
-    distinct_experts: list[float] | None = None
-    ms: list[float]
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    tokens: list[Annotated[float, Field(ge=0)]] | None = None
+    distinct_experts: list[Annotated[float, Field(ge=0)]] | None = None
+    ms: list[Ms]
 
     @model_validator(mode="after")
     def _paired(self) -> LatencySeries:
@@ -90,35 +108,35 @@ class LatencySeries(BaseModel):
 
 
 class BatchCosts(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     round_ms: dict[int, float | list[float]]
-    fixed_ms: float | None = Field(default=None, ge=0)
-    candidates: list[int] | None = None
-    plain_ms: float | None = Field(default=None, gt=0)
+    fixed_ms: Ms | None = None
+    candidates: list[Annotated[int, Field(ge=1)]] | None = None
+    plain_ms: float | None = Field(default=None, ge=MIN_MS, le=MAX_MS)
 
     _times = field_validator("round_ms")(_positive_times)
+
+    @model_validator(mode="after")
+    def _fixed(self) -> BatchCosts:
+        _fixed_below_rounds(self.round_ms, self.fixed_ms, "")
+        return self
 
 
 class CostFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: Literal[1] = 1
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    version: int = Field(default=1, ge=1, le=1)  # an int, so that 1.0 is refused as the other numbers are
     time_unit: Literal["ms"] = "ms"
     round_ms: dict[int, float | list[float]]
-    fixed_ms: float | None = Field(default=None, ge=0)
-    s_ms: float | None = Field(default=None, ge=0)
+    fixed_ms: Ms | None = None
+    s_ms: Ms | None = None
     stage0: LatencySeries | None = None
-    eta_ms: float | None = Field(default=None, ge=0)
+    eta_ms: Ms | None = None
     experts: LatencySeries | None = None
-    experts_per_token: int | None = Field(default=None, ge=1)
-    batched: dict[int, BatchCosts] = {}
+    experts_per_token: int | None = Field(default=None, ge=1, le=1024)
+    batched: dict[BatchSize, BatchCosts] = {}
 
     _times = field_validator("round_ms")(_positive_times)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _finite(cls, obj):
-        # s or eta = Infinity would pass the >= 0 bounds and be saved as null in the policy
-        return refuse_non_finite(obj, "cost file")
 
     @model_validator(mode="after")
     def _one_source(self) -> CostFile:
@@ -126,6 +144,7 @@ class CostFile(BaseModel):
             raise ValueError("give 's_ms' or 'stage0', not both")
         if self.eta_ms is not None and self.experts is not None:
             raise ValueError("give 'eta_ms' or 'experts', not both")
+        _fixed_below_rounds(self.round_ms, self.fixed_ms, "")
         return self
 
     def stage0_slope(self) -> float | None:
@@ -139,11 +158,7 @@ class CostFile(BaseModel):
 
 def load_costs(path: str | Path) -> CostFile:
     """Read and validate a cost file; raise :class:`InputError` naming the bad field."""
-    obj = read_json(path, "cost file")
-    try:
-        return CostFile.model_validate(obj)
-    except ValidationError as e:
-        raise describe(e, str(path), CostFile) from None
+    return read_model(path, "cost file", CostFile)
 
 
 @dataclass
@@ -177,7 +192,8 @@ def cost_curve(round_ms: dict[int, float | list[float]], max_len: int, fixed: fl
                          f"{len(lengths)} ({lengths})")
     mean = [float(np.mean(round_ms[w])) for w in lengths]
     c2, c1, c0 = np.polyfit(np.asarray(lengths, float), np.asarray(mean, float), 2)
-    curve = CostCurve((float(c0), float(c1), float(c2)), float(c0) if fixed is None else fixed,
+    # without a measured fixed cost, the constant term stands for it (a cost: not below 0 ms)
+    curve = CostCurve((float(c0), float(c1), float(c2)), max(float(c0), 0.0) if fixed is None else fixed,
                       max_len)
     if np.any(curve.round_time(np.arange(1, max_len + 1)) <= 0):
         raise InputError(f"{where}: the quadratic fit of {dict(zip(lengths, mean))} predicts a "

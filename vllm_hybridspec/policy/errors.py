@@ -7,6 +7,7 @@ valid; the command line prints it and exits non-zero without a traceback.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 
@@ -21,10 +22,23 @@ class InputError(ValueError):
     """A records, cost or policy file (or an argument) is malformed or inconsistent."""
 
 
+# The labels pydantic puts in an error's location for the member of a union it tried
+# (``("round_ms", "2", "list[float]", 0)``): not fields, so left out of the path a user reads.
+_UNION_MEMBER = re.compile(r"(float|int|str|bool|none|(list|dict|tuple|set)\[.*\]|"
+                           r"(function|constrained)-[a-z-]+\[.*\]|"
+                           r"[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+)")  # a model class: StepTimes
+
+
+def in_union(loc: tuple) -> bool:
+    return any(isinstance(part, str) and _UNION_MEMBER.fullmatch(part) for part in loc)
+
+
 def field_path(loc: tuple) -> str:
     """``("cost", "curve", 3)`` -> ``"cost.curve[3]"``."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and (_UNION_MEMBER.fullmatch(part) or part == "[key]"):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:
@@ -84,7 +98,13 @@ def describe(err: ValidationError, where: str, model: type[BaseModel] | None = N
     (and how many more there are), so a command line prints one line per failure.  With ``model``
     (the validated class) an unknown key is named with its near miss and the valid keys."""
     lines = []
-    for e in err.errors(include_url=False):
+    errors = err.errors(include_url=False)
+    # a value that fits no member of a union (``float | list[float]``) gets one error per member; the
+    # one that reaches deepest into the value says what is wrong (``round_ms.4[1]``, not ``round_ms.4``)
+    paths = [field_path(e["loc"]) for e in errors]
+    errors = [e for e, p in zip(errors, paths)
+              if not (in_union(e["loc"]) and any(q.startswith((p + ".", p + "[")) for q in paths))]
+    for e in errors:
         msg = e["msg"].removeprefix("Value error, ")
         path = field_path(e["loc"])
         if e["type"] == "missing":

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import InputError
+from pydantic import BaseModel, ValidationError
+
+from .errors import InputError, describe
 
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -45,6 +47,22 @@ def read_json(path: str | Path, what: str):
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
                          ) from None
+
+
+def read_model(path: str | Path, what: str, model: type[BaseModel]):
+    """``path`` validated by ``model`` as JSON, strictly: no value is coerced to another type (``"2.2"``
+    is not a number, ``8.0`` is not an integer, ``1`` is not ``true``), and no number is NaN or
+    infinite.  Anything wrong is one :class:`InputError` naming the file, the field and the value."""
+    obj = read_json(path, what)
+    if found := first_non_finite(obj):
+        field, x = found
+        raise InputError(f"{path}: field '{field}' is {json_spelling(x)}; every number in a {what} "
+                         f"must be finite")
+    try:
+        # JSON mode: object keys are text in JSON, so a dict[int, ...] key "4" is the length 4 there
+        return model.model_validate_json(Path(path).read_bytes(), strict=True)
+    except ValidationError as e:
+        raise describe(e, str(path), model) from None
 
 
 def json_spelling(x: float) -> str:

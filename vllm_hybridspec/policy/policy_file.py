@@ -45,15 +45,15 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .acceptance import FEATURES, AcceptanceModel, acceptance_model
-from .cost import padded_curve
-from .errors import InputError, describe
-from .files import read_json, refuse_non_finite, write_text_atomic
+from .cost import MAX_MS, padded_curve
+from .errors import InputError
+from .files import read_json, read_model, write_text_atomic
 from .selector import expansion_table, routing_correction, select_length, select_shared_length, stage0_length
 
 FORMAT = "hybridspec-policy"
@@ -84,9 +84,13 @@ def _check_curve(curve: list[float], quadratic: tuple[float, float, float], fixe
                              f"round times must be positive")
 
 
+Unit = Annotated[float, Field(ge=0, le=1)]
+NonNegative = Annotated[float, Field(ge=0)]
+
+
 class IsotonicMap(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    x: list[float] = Field(min_length=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    x: list[Unit] = Field(min_length=1)  # the drafter's confidence in the draft token, a probability
     y: list[float] = Field(min_length=1)
 
     _fin = field_validator("x", "y")(_finite)
@@ -103,9 +107,9 @@ class IsotonicMap(BaseModel):
 
 
 class AcceptanceParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     features: list[str]
-    entropy_eps: float = Field(gt=0)
+    entropy_eps: float = Field(gt=0, le=1)
     isotonic: list[IsotonicMap]
     coef: list[float]
     intercept: float
@@ -130,8 +134,8 @@ class AcceptanceParams(BaseModel):
 
 
 class CostParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    measured_lengths: list[int] = Field(min_length=3)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    measured_lengths: list[Annotated[int, Field(ge=1)]] = Field(min_length=3)
     quadratic: tuple[float, float, float]
     fixed: float = Field(ge=0)
     curve: list[float]
@@ -145,13 +149,13 @@ class BatchedParams(CostParams):
 
 
 class RoutingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    s: float = Field(ge=0)
-    eta: float = Field(ge=0)
-    experts_per_token: int = Field(ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    s: float = Field(ge=0, le=MAX_MS)
+    eta: float = Field(ge=0, le=MAX_MS)
+    experts_per_token: int = Field(ge=1, le=1024)
     later_layers: bool
-    n_all: list[float]
-    n_all_given: list[list[float]]
+    n_all: list[NonNegative]        # expected new experts: counts
+    n_all_given: list[list[NonNegative]]
 
     _fin = field_validator("n_all")(_finite)
 
@@ -159,11 +163,11 @@ class RoutingParams(BaseModel):
 class PolicyFile(BaseModel):
     """Schema of the policy file; see the module docstring."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     format: Literal["hybridspec-policy"] = FORMAT
-    version: Literal[1] = VERSION
+    version: int = Field(default=VERSION, ge=VERSION, le=VERSION)  # an int: 1.0 is refused
     draft_len: int = Field(ge=1)
-    min_length: Literal[1, 2] = 2
+    min_length: int = Field(default=2, ge=1, le=2)
     time_unit: Literal["ms"] = "ms"
     acceptance: AcceptanceParams
     cost: CostParams
@@ -174,10 +178,6 @@ class PolicyFile(BaseModel):
     speedup: dict[int, float] = {}
     fit: dict[str, Any] = {}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _finite(cls, obj):
-        return refuse_non_finite(obj, "policy file")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyFile:
@@ -186,6 +186,10 @@ class PolicyFile(BaseModel):
             raise ValueError(f"'acceptance.isotonic' has {len(self.acceptance.isotonic)} maps but "
                              f"draft_len is {d}; one map per draft position is needed")
         _check_curve(self.cost.curve, self.cost.quadratic, self.cost.fixed, d, "cost")
+        m = self.cost.measured_lengths
+        if m != sorted(set(m)) or not all(1 <= w <= w_max for w in m):
+            raise ValueError(f"'cost.measured_lengths' is {m}; one entry per measured length, "
+                             f"increasing, within 1..{w_max} (W = draft_len + 1)")
         if r := self.routing:
             if len(r.n_all) != d:
                 raise ValueError(f"'routing.n_all' has {len(r.n_all)} values but needs draft_len "
@@ -221,13 +225,10 @@ def load_policy(path: str | Path) -> PolicyFile:
     obj = read_json(path, "policy file")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise InputError(f"{path}: not a policy file (field 'format' must be '{FORMAT}')")
-    if obj.get("version") != VERSION:
+    if type(obj.get("version")) is not int or obj["version"] != VERSION:
         raise InputError(f"{path}: field 'version' is {obj.get('version')!r}; this build reads "
                          f"policy files of version {VERSION}")
-    try:
-        return PolicyFile.model_validate(obj)
-    except ValidationError as e:
-        raise describe(e, str(path), PolicyFile) from None
+    return read_model(path, "policy file", PolicyFile)
 
 
 def save_policy(policy: PolicyFile, path: str | Path) -> None:

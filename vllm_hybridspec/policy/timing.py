@@ -118,7 +118,8 @@ def time_on_cpu(one_round, samples: int, replays: int) -> float:
 
 def time_selector(
     batch: int = typer.Option(256, min=1, help="requests selected for in one round"),
-    draft_len: int = typer.Option(15, min=1, help="draft tokens per request (the policy's draft_len)"),
+    draft_len: int | None = typer.Option(None, min=1, help="draft tokens per request (default: the "
+                                                           "policy's draft_len, or 15 for the fitted one)"),
     policy: Path = typer.Option(None, help="policy file (default: fit one on synthetic records)"),
     fit_rounds: int = typer.Option(20000, min=100, help="synthetic rounds to fit the default policy to"),
     routing: bool = typer.Option(False, help="also count new Layer-0 experts and apply the routing correction"),
@@ -139,14 +140,15 @@ def time_selector(
                                  + (" or cuda[:N]" if count else ""))
     try:
         pol = (Policy.load(str(policy), device, torch.float32) if policy
-               else synthetic_policy(draft_len, fit_rounds, device))
+               else synthetic_policy(draft_len or 15, fit_rounds, device))
     except (InputError, ValueError) as e:
         typer.echo(f"hybridspec calibrate time-selector: error: {e}", err=True)
         raise typer.Exit(2) from None
-    if pol.draft_len != draft_len:
+    if draft_len is not None and pol.draft_len != draft_len:
         typer.echo(f"hybridspec calibrate time-selector: error: {policy} has draft_len {pol.draft_len}, not "
-                   f"--draft-len {draft_len}", err=True)
+                   f"--draft-len {draft_len}; leave --draft-len out to use the policy's", err=True)
         raise typer.Exit(2)
+    draft_len = pol.draft_len
     dev = torch.device(device)
     one_round = selection_round(pol, batch, experts, topk, routing, dev)
     if compile:

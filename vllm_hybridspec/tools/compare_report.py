@@ -26,12 +26,16 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 def load(paths: list[Path]) -> list[dict]:
     """The configs of every file, in order; a file that is not a ``hybridspec compare`` result is refused
     in one line naming it."""
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.tools.result_files import load_compare
+
     results = []
     for path in paths:
         try:
+            load_compare(path)
             rows = json.loads(Path(path).read_text())["results"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise typer.BadParameter(f"{path}: not a hybridspec compare result ({type(e).__name__}: {e})") from None
+        except InputError as e:
+            raise typer.BadParameter(str(e)) from None
         for r in rows:
             results.append({**r, "file": str(path)})
     return results

@@ -11,7 +11,14 @@ factors that replace them.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -93,59 +100,239 @@ def run_gdn_round_demo(max_len: int = 16, batch: int = 3, layers: int = 3, seed:
 
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"  # the committed reference models
+POLICY_NAME = "policy_cpu.json"  # the length policy shipped with each reference drafter (lengths and gate)
+
+
+@dataclass
+class Row:
+    """One configuration of the demo's table, measured on the same prompts."""
+
+    config: str                       # "plain", "verify_all" or "policy"
+    tokens_per_s_all_at_once: float   # every prompt submitted together
+    tokens_per_s_one_at_a_time: float | None
+    prompts_all_at_once: int
+    prompts_one_at_a_time: int
+    identical: int                    # prompts whose output equals plain decoding's (all at once)
+    acceptance_length: float | None   # tokens per verifying round, the bonus token included
+    drafts_per_round: int = 0         # K
+    verified: dict[int, int] = field(default_factory=dict)  # rows verified at each length w (policy)
+    steps: int = 0                    # drafting steps the selector saw
+    gated_steps: int = 0              # of those, steps the batch gate ran without drafts
+    identical_one_at_a_time: int = 0  # of the prompts timed one at a time, those equal to plain decoding's
+    load: float = 0.0                 # the machine's highest 1-minute load average while the row ran
+
+
+def ratio(row: Row, plain: Row, one_at_a_time: bool = False) -> float | None:
+    if one_at_a_time:
+        a, b = row.tokens_per_s_one_at_a_time, plain.tokens_per_s_one_at_a_time
+    else:
+        a, b = row.tokens_per_s_all_at_once, plain.tokens_per_s_all_at_once
+    return a / b if a and b else None
+
+
+def _speed_words(r_all: float | None, r_one: float | None) -> str:
+    def one(r, how):
+        if r is None:
+            return None
+        word = "faster than" if r > 1.005 else "slower than" if r < 0.995 else "as fast as"
+        return f"{word} plain decoding {how} ({r:.2f}x)"
+
+    return ", ".join(x for x in (one(r_all, "all at once"), one(r_one, "one at a time")) if x)
+
+
+def explain(row: Row, plain: Row) -> str:
+    """One plain-language line about ``row``, computed from its numbers (nothing here is a claim
+    that the numbers do not make)."""
+    if row.config == "plain":
+        return ("plain decoding: the target alone, one token per step; the reference every other row's "
+                "output is compared with")
+    k = row.drafts_per_round
+    al = f"{row.acceptance_length:.2f}" if row.acceptance_length else "no"
+    if row.config == "verify_all":
+        what = f"H-Spec drafts {k} tokens a round and the target verifies all {k}; {al} tokens per round"
+    else:
+        rows = sum(row.verified.values())
+        mean_w = sum(w * c for w, c in row.verified.items()) / rows if rows else None
+        cut = (f"the policy verified {mean_w - 1:.1f} of the {k} drafts on average "
+               f"(lengths {min(row.verified)}..{max(row.verified)} tokens)" if mean_w is not None
+               else "the policy verified no draft")
+        gate = (f"its batch gate turned drafting off in {row.gated_steps} of {row.steps} steps" if row.gated_steps
+                else "its batch gate kept drafting on in every step")
+        what = f"H-Spec drafts {k} tokens a round, {cut}; {gate}; {al} tokens per round"
+    return f"{what}; {_speed_words(ratio(row, plain), ratio(row, plain, True))}"
+
+
+def table(rows: list[Row]) -> str:
+    """The rows side by side, each followed by its explanation line."""
+    plain = rows[0]
+    head = (f"  {'config':<11} {'identical':>9} {'all at once':>12} {'ratio':>6} {'one at a time':>14} {'ratio':>6}"
+            f"  prompts timed")
+    lines = [head, f"  {'':<11} {'':>9} {'tok/s':>12} {'':>6} {'tok/s':>14}"]
+    for r in rows:
+        r_all, r_one = ratio(r, plain), ratio(r, plain, True)
+        one = f"{r.tokens_per_s_one_at_a_time:>14.1f}" if r.tokens_per_s_one_at_a_time else f"{'-':>14}"
+        lines.append(f"  {r.config:<11} {r.identical:>4}/{r.prompts_all_at_once:<4} "
+                     f"{r.tokens_per_s_all_at_once:>12.1f} {r_all:>5.2f}x {one} "
+                     f"{(f'{r_one:.2f}x' if r_one else '-'):>6}  {r.prompts_all_at_once} together, "
+                     f"{r.prompts_one_at_a_time} one at a time")
+        lines.append(f"      {explain(r, plain)}")
+    cores, busiest = os.cpu_count() or 1, max(r.load for r in rows)
+    if busiest > cores:
+        lines.append(f"  the machine was busy while these ran (1-minute load average up to {busiest:.1f} on {cores} "
+                     f"cores): the ratios compare runs that other work slowed unevenly")
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[Row]) -> dict:
+    """``hybridspec demo --json``: ``{"rows": [{"config", "ratio_all_at_once", "ratio_one_at_a_time",
+    "identical": "8/8", ...}]}``."""
+    plain = rows[0]
+    out = []
+    for r in rows:
+        out.append({"config": r.config, "ratio_all_at_once": ratio(r, plain),
+                    "ratio_one_at_a_time": ratio(r, plain, True),
+                    "identical": f"{r.identical}/{r.prompts_all_at_once}",
+                    "identical_one_at_a_time": f"{r.identical_one_at_a_time}/{r.prompts_one_at_a_time}",
+                    "load_average": r.load,
+                    "tokens_per_s_all_at_once": r.tokens_per_s_all_at_once,
+                    "tokens_per_s_one_at_a_time": r.tokens_per_s_one_at_a_time,
+                    "prompts_all_at_once": r.prompts_all_at_once, "prompts_one_at_a_time": r.prompts_one_at_a_time,
+                    "acceptance_length": r.acceptance_length,
+                    "verified_at_length": {str(w): c for w, c in sorted(r.verified.items())},
+                    "steps": r.steps, "gated_steps": r.gated_steps, "explanation": explain(r, plain)})
+    return {"rows": out}
+
+
+@contextmanager
+def output_to(log: Path) -> Iterator[None]:
+    """Send everything written to this process's stdout and stderr (Python's and the C libraries') to
+    ``log`` while the block runs: vLLM's start-up log, its warnings and the compiler's notes."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def measure(llm, config: str, prompts: list, plain_outputs: list | None, max_tokens: int, bs1_prompts: int,
+            k: int = 0) -> tuple[Row, list]:
+    """Time ``prompts`` all at once and the first ``bs1_prompts`` one at a time on ``llm`` as it is
+    configured now; count outputs identical to ``plain_outputs`` and read the selector's counters."""
+    from vllm import SamplingParams
+
+    from vllm_hybridspec.engine.compat import length_selector
+    from vllm_hybridspec.tools.compare import counter_delta, spec_counters
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    selector = length_selector(llm) if k else None
+    stats0 = selector.stats() if selector is not None else None
+    before = spec_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    batch_s = time.perf_counter() - t0
+    _, al = counter_delta(before, spec_counters(llm))
+    stats1 = selector.stats() if selector is not None else None
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    load = os.getloadavg()[0]
+    bs1_tokens, bs1_same, t0 = 0, 0, time.perf_counter()
+    reference = plain_outputs if plain_outputs is not None else outputs
+    for p, expected in zip(prompts[:bs1_prompts], reference):
+        tokens = list(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        bs1_tokens += len(tokens)
+        bs1_same += tokens == expected
+    bs1_s = time.perf_counter() - t0
+    row = Row(config=config, tokens_per_s_all_at_once=sum(map(len, outputs)) / batch_s,
+              tokens_per_s_one_at_a_time=bs1_tokens / bs1_s if bs1_prompts else None,
+              prompts_all_at_once=len(prompts), prompts_one_at_a_time=bs1_prompts,
+              identical=sum(a == b for a, b in zip(outputs, reference)), acceptance_length=al, drafts_per_round=k,
+              identical_one_at_a_time=bs1_same, load=max(load, os.getloadavg()[0]))
+    if stats0 is not None:
+        row.verified = {w: c - stats0["rows_at_length"].get(w, 0) for w, c in stats1["rows_at_length"].items()
+                        if c - stats0["rows_at_length"].get(w, 0)}
+        row.steps = stats1["steps"] - stats0["steps"]
+        row.gated_steps = stats1["gated_steps"] - stats0["gated_steps"]
+    return row, outputs
 
 
 def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int = 48,
-                     num_speculative_tokens: int = 7, models_dir: Path = MODELS_DIR, bs1_prompts: int = 2) -> bool:
-    """Serve the reference ``kind`` target through vLLM with its H-Spec drafter and without
-    speculation (one after the other), greedy, on held-out prompts; print tokens/s side by side (all
-    prompts at once, and ``bs1_prompts`` one at a time), their ratio and the acceptance length, and
-    return whether every output is identical to plain decoding."""
-    from vllm_hybridspec.tools.compare import CompareSettings, run_all
+                     num_speculative_tokens: int = 7, models_dir: Path = MODELS_DIR, bs1_prompts: int = 2,
+                     json_out: Path | None = None, log: Path | None = None) -> bool:
+    """Serve the reference ``kind`` target through vLLM, greedy, on held-out prompts: plain decoding in
+    one engine, then H-Spec with the drafter's shipped length policy in a second, whose selector is
+    switched between the policy (its lengths and batch gate) and verifying every draft.  Print a row per
+    configuration (tokens/s all prompts at once and ``bs1_prompts`` one at a time, their ratio to plain,
+    outputs identical to plain's) with a line saying what the row's numbers show; vLLM's own log goes to
+    ``log``.  Return whether every output is identical to plain decoding."""
+    import gc
+
+    import vllm_hybridspec.tools.compare  # noqa: F401  (in-process engines: its environment defaults)
+    from vllm_hybridspec.policy.files import write_text_atomic
     from vllm_hybridspec.tools.engine_args import PromptOptions
+    from vllm_hybridspec.train.reference.accept import engine_options
 
     target, drafter = models_dir / kind, models_dir / f"{kind}-hspec"
-    missing = [str(p) for p in (target, drafter, models_dir / "prompts" / "heldout.jsonl") if not p.exists()]
+    policy = drafter / POLICY_NAME
+    missing = [str(p) for p in (target, drafter, policy, models_dir / "prompts" / "heldout.jsonl") if not p.exists()]
     if missing:
         raise FileNotFoundError(f"reference models not found: {missing}; they are committed under models/ "
                                 "(or rebuild them with `make models`)")
-    from vllm_hybridspec.train.reference.accept import engine_options
+    log = log or Path(tempfile.gettempdir()) / f"hybridspec-demo-{os.getpid()}.log"
+    log.write_text("")
+    with output_to(log):  # vLLM's import logs its platform and Triton checks
+        from vllm import LLM
 
+        from vllm_hybridspec.engine.compat import length_selector
     on_gpu = torch.cuda.is_available()
     engine = engine_options(models_dir, kind, max_num_seqs=8)
     prompts = PromptOptions(prompts=models_dir / "prompts" / "heldout.jsonl", num_prompts=num_prompts).load(str(target))
-    settings = CompareSettings(max_tokens=max_tokens, bs1_prompts=min(bs1_prompts, len(prompts)))
-    spec = {"method": "hspec", "model": str(drafter), "num_speculative_tokens": num_speculative_tokens}
+    bs1_prompts = min(bs1_prompts, len(prompts))
+    k = num_speculative_tokens
+    spec = {"method": "hspec", "model": str(drafter), "num_speculative_tokens": k,
+            "hybridspec": {"policy": str(policy)}}
     where = "the GPU, with CUDA graphs" if on_gpu else f"the CPU ({os.cpu_count()} cores, eager)"
-    print(f"vLLM on {where}: reference {kind} target {target}, H-Spec drafter {drafter}, {len(prompts)} held-out "
-          f"prompts, {max_tokens} greedy tokens each")
-    plain, hspec = run_all([("plain", None), ("hspec", spec)], engine, settings, prompts)
-    failed = [r for r in (plain, hspec) if "error" in r]
-    if failed:
-        for r in failed:
-            print(f"  FAIL: {r['name']}: {r['error']}")
+    print(f"vLLM on {where}: reference {kind} target {target}, H-Spec drafter {drafter} (K = {k}) with its "
+          f"policy {policy.name}; {len(prompts)} held-out prompts, {max_tokens} greedy tokens each")
+    print(f"  vLLM's log: {log}", flush=True)
+    rows = []
+    try:
+        print("  plain decoding: starting its engine ...", flush=True)
+        with output_to(log):
+            llm = LLM(**engine.llm_kwargs(), disable_log_stats=False)
+            plain, plain_outputs = measure(llm, "plain", prompts, None, max_tokens, bs1_prompts)
+            del llm
+            gc.collect()
+        rows.append(plain)
+        print("  H-Spec: starting its engine, then the policy and verify-all settings ...", flush=True)
+        with output_to(log):
+            llm = LLM(**engine.llm_kwargs(), speculative_config=spec, disable_log_stats=False)
+            selector = length_selector(llm)
+            selector.configure(policy=str(policy))
+            rows.append(measure(llm, "policy", prompts, plain_outputs, max_tokens, bs1_prompts, k)[0])
+            selector.configure(trim=False)  # every draft verified, as without the "hybridspec" options
+            rows.append(measure(llm, "verify_all", prompts, plain_outputs, max_tokens, bs1_prompts, k)[0])
+            del llm
+            gc.collect()
+    except Exception as e:
+        print(f"  FAIL: {type(e).__name__}: {e} (vLLM's log: {log})")
         return False
-    same = sum(a == b for a, b in zip(hspec["outputs"], plain["outputs"]))
-    print(speed_table(plain, hspec, len(prompts)))
-    ratio = hspec["batch_tokens_per_s"] / plain["batch_tokens_per_s"]
-    if ratio < 1:
-        print(f"  H-Spec is slower than plain decoding here ({ratio:.2f}x): at an acceptance length of "
-              f"{hspec['mean_acceptance_length']:.2f} tokens per round a round must cost less than "
-              f"{hspec['mean_acceptance_length']:.2f} plain steps to pay, and "
-              + ("on a CPU verifying u tokens costs about u times one token's compute"
-                 if not on_gpu else "this round costs more than that"))
-    ok = same == len(prompts)
-    print(f"  {'PASS' if ok else 'FAIL'}: H-Spec output identical to plain decoding on {same}/{len(prompts)} prompts")
+    print(table(rows))
+    if json_out is not None:
+        write_text_atomic(json_out, json.dumps(rows_json(rows), indent=1) + "\n")
+        print(f"  wrote {json_out}")
+    same = min(r.identical for r in rows)
+    same_one = min(r.identical_one_at_a_time for r in rows)
+    ok = same == len(prompts) and same_one == bs1_prompts
+    print(f"  {'PASS' if ok else 'FAIL'}: every H-Spec setting's output identical to plain decoding on "
+          f"{same}/{len(prompts)} prompts all at once and {same_one}/{bs1_prompts} one at a time")
     return ok
-
-
-def speed_table(plain: dict, hspec: dict, num_prompts: int) -> str:
-    """Tokens/s of both runs side by side, with the ratio, and H-Spec's acceptance length."""
-    rows = [("all prompts at once", "batch_tokens_per_s"), ("one prompt at a time", "bs1_tokens_per_s")]
-    lines = [f"  {'':<22} {'plain tok/s':>12} {'H-Spec tok/s':>13} {'ratio':>7}"]
-    for label, key in rows:
-        if plain.get(key) and hspec.get(key):
-            lines.append(f"  {label:<22} {plain[key]:>12.1f} {hspec[key]:>13.1f} {hspec[key] / plain[key]:>6.2f}x")
-    lines.append(f"  acceptance length {hspec['mean_acceptance_length']:.2f} tokens per round "
-                 f"({num_prompts} prompts)")
-    return "\n".join(lines)

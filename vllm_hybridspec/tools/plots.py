@@ -37,12 +37,15 @@ def plot_rounds(
     if out.suffix.lower() not in PLOT_FORMATS:
         raise typer.BadParameter(f"--out '{out}' has suffix '{out.suffix}'; the image format comes from it: use "
                                  f"one of {', '.join(PLOT_FORMATS)}")
-    try:
-        result = json.loads(evaluate.read_text())
-    except (OSError, ValueError) as e:
-        raise typer.BadParameter(f"{evaluate}: not readable as JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(result, dict) or not {"costs", "modes"} <= set(result):
-        raise typer.BadParameter(f"{evaluate}: not a hybridspec evaluate result (it needs 'costs' and 'modes')")
+    from vllm_hybridspec.policy.errors import InputError
+    from vllm_hybridspec.tools.result_files import load_compare, load_evaluate
+
+    for path, load in [(evaluate, load_evaluate), *((p, load_compare) for p in compare)]:
+        try:
+            load(path)
+        except InputError as e:
+            raise typer.BadParameter(str(e)) from None
+    result = json.loads(evaluate.read_text())
     batches = sorted({r["batch"] for r in result["costs"]})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4))
     for ax, b in zip(axes, batches):
