@@ -2,7 +2,7 @@
 to what vLLM 0.26 runs (its "dflash" parallel-drafting path with an ``HSpecDraftModel`` draft).
 
 Everything here runs in the main process before any worker starts (see
-:func:`patch_create_speculative_config`), so a bad configuration is a ``ValueError`` that
+:func:`resolved_speculative_config`), so a bad configuration is a ``ValueError`` that
 names the bad value, never a hung or crashed worker.
 """
 
@@ -21,7 +21,6 @@ from vllm_hybridspec.engine.compat import (
     HSPEC_METHOD,
     check_vllm_version,
     vllm_speculative_methods,
-    wrap_once,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
 from vllm_hybridspec.engine.length.gate import scheduler_schedule
@@ -238,41 +237,25 @@ def is_hspec_speculative_config(speculative_config) -> bool:
     )
 
 
-def patch_create_speculative_config(resolve) -> None:
-    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` to call
-    ``resolve(spec_dict, target_model_config)`` first (see :func:`_wrap_create_speculative_config`)."""
-    _wrap_create_speculative_config(lambda engine_args, spec, target: resolve(spec, target))
-
-
-def _wrap_create_speculative_config(resolve) -> None:
-    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
+def resolved_speculative_config(original):
+    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches.py``).
 
     Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
     ``SpeculativeConfig.__post_init__`` rejects unknown methods, so "hspec" has to be translated before
     the dict becomes a ``SpeculativeConfig``. This is the one place both ``vllm serve
     --speculative-config`` and ``LLM(speculative_config=...)`` (and the speculators-checkpoint-as-model
     path, ``maybe_override_with_speculators``) go through, in the main process, before any worker
-    starts, so the validation errors raised by ``resolve(engine_args, spec_dict, target_model_config)``
-    reach the user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``;
-    ``extra`` is merged into ``EngineArgs.additional_config``, which reaches every worker as
-    ``VllmConfig.additional_config``."""
-    from vllm.engine.arg_utils import EngineArgs
+    starts, so the validation errors of :func:`resolve_speculative_config` reach the user at engine start
+    and never hang a worker. Its options are merged into ``EngineArgs.additional_config``, which reaches
+    every worker as ``VllmConfig.additional_config``; vLLM loads the drafter with the engine's load
+    format, which says which weight files it reads."""
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if self.speculative_config is not None:
+            self.speculative_config, extra = resolve_speculative_config(
+                dict(self.speculative_config), target_model_config, self.load_format)
+            if extra:
+                # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
+                self.additional_config = {**(self.additional_config or {}), **extra}
+        return original(self, target_model_config, target_parallel_config)
 
-    def make(original):
-        def create_speculative_config(self, target_model_config, target_parallel_config):
-            if self.speculative_config is not None:
-                self.speculative_config, extra = resolve(self, dict(self.speculative_config), target_model_config)
-                if extra:
-                    # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
-                    self.additional_config = {**(self.additional_config or {}), **extra}
-            return original(self, target_model_config, target_parallel_config)
-
-        return create_speculative_config
-
-    wrap_once(EngineArgs, "create_speculative_config", make)
-
-
-def install() -> None:
-    # vLLM loads the drafter with the engine's load format, which says which weight files it reads
-    _wrap_create_speculative_config(
-        lambda engine_args, spec, target: resolve_speculative_config(spec, target, engine_args.load_format))
+    return create_speculative_config

@@ -138,43 +138,24 @@ def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], 
 
 
 def one_slot_page_shape(vllm_config, hf_text_config):
-    """For ``patch_gdn_page_size``: the one-slot shapes when the layer will be on,
+    """For :func:`one_slot_page_size`: the one-slot shapes when the layer will be on,
     ``None`` (vLLM's own shapes) otherwise."""
     return one_slot_state_shape(vllm_config, hf_text_config) if gdn_kernel_enabled(vllm_config) else None
 
 
-# vllm/model_executor/models/: the model classes whose GDN layers are QwenGatedDeltaNetAttention
-# and whose ``get_mamba_state_shape_from_config`` sizes the hybrid page with the spec conv columns.
-QWEN_GDN_MODEL_CLASSES = (
-    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM"),
-    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
-    ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
-)
-
-
-def patch_gdn_page_size(one_slot_shape) -> None:
-    """Wrap the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
-    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and
-    ``Qwen3_5MoeForConditionalGeneration`` (the Qwen3.5 MoE class inherits it from the dense one).
-    ``one_slot_shape(vllm_config, hf_text_config)`` returns the shapes to use, or ``None`` for vLLM's.
+def one_slot_page_size(original):
+    """The wrapper of the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``
+    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches.py``): the one-slot
+    shapes when the layer will be on, vLLM's otherwise.
 
     Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention
     block and ``cache_config.mamba_page_size_padded`` from this classmethod *before* any layer exists,
     with ``num_spec = num_speculative_tokens`` conv columns; the one-slot layer's page is the plain
     decoding page, and ``MambaSpec`` asserts the layer's page fits the padded one. A model-class
     registration over the same architecture names would do the same with more surface."""
-    import importlib
+    def get_mamba_state_shape_from_config(model_cls, vllm_config):
+        shape = one_slot_page_shape(vllm_config, vllm_config.model_config.hf_text_config)
+        return shape if shape is not None else original(model_cls, vllm_config)
 
-    for module_name, class_name in QWEN_GDN_MODEL_CLASSES:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        original = cls.get_mamba_state_shape_from_config  # bound classmethod
-        if getattr(original, "__hspec_wrapped__", False):
-            continue
-
-        def get_mamba_state_shape_from_config(model_cls, vllm_config, _original=original.__func__):
-            shape = one_slot_shape(vllm_config, vllm_config.model_config.hf_text_config)
-            return shape if shape is not None else _original(model_cls, vllm_config)
-
-        get_mamba_state_shape_from_config.__hspec_wrapped__ = True
-        get_mamba_state_shape_from_config.__wrapped__ = original.__func__
-        cls.get_mamba_state_shape_from_config = classmethod(get_mamba_state_shape_from_config)
+    return get_mamba_state_shape_from_config
