@@ -66,7 +66,8 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_f
     raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
     extra: dict[str, Any] = {}
     if spec.get("method") == REPLAY_METHOD:  # benchmarking only (engine/replay/)
-        spec, extra = resolve_replay_speculative_config(spec, target_model_config, load_format)
+        spec, extra = resolve_replay_speculative_config(spec, target_model_config, load_format,
+                                                        resolve_hspec=resolve_speculative_config)
     else:
         spec = _resolve_method(spec, target_model_config, load_format)
     if raw_options is None:

@@ -49,6 +49,10 @@ def register() -> None:
     import vllm_hybridspec.drafter  # noqa: F401  (registers "hspec" with speculators)
 
     patches.apply(("always", "cpu") if current_platform.is_cpu() else ("always",))
+    from vllm_hybridspec.engine.drafting.proposer import register_substitute
+    from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer, is_replay_engine
+
+    register_substitute(is_replay_engine, ReplayHSpecProposer)  # benchmarking only (engine/replay/)
     _registered = True
 
 

@@ -31,8 +31,21 @@ from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.gate import sync_scheduler
 from vllm_hybridspec.engine.length.selector import BudgetCache, LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.options import hybridspec_options
-from vllm_hybridspec.engine.replay.config import replay_options
 from vllm_hybridspec.engine.runner_state import state_of
+
+
+# Proposers that stand in for H-Spec's on an engine they claim, registered by their feature
+# (plugin.register: engine/replay/'s replayed acceptance): (claims(vllm_config) -> bool, class).
+SUBSTITUTES: list[tuple] = []
+
+
+def register_substitute(claims, proposer_class) -> None:
+    """Build ``proposer_class`` (an ``HSpecProposer``) instead of ``HSpecProposer`` for an H-Spec engine whose
+    ``VllmConfig`` ``claims`` (idempotent)."""
+    if not issubclass(proposer_class, HSpecProposer):
+        raise TypeError(f"{proposer_class} must subclass HSpecProposer")
+    if (claims, proposer_class) not in SUBSTITUTES:
+        SUBSTITUTES.append((claims, proposer_class))
 
 
 class RunnerDFlashProposer(DFlashProposer):
@@ -48,10 +61,9 @@ class RunnerDFlashProposer(DFlashProposer):
     def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
         if cls is not RunnerDFlashProposer or not is_hspec_speculative_config(vllm_config.speculative_config):
             return object.__new__(cls)
-        if replay_options(vllm_config) is not None:  # benchmarking only (engine/replay/)
-            from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer
-
-            return object.__new__(ReplayHSpecProposer)
+        for claims, substitute in SUBSTITUTES:  # benchmarking only (engine/replay/)
+            if claims(vllm_config):
+                return object.__new__(substitute)
         return object.__new__(HSpecProposer)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
