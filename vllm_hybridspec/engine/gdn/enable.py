@@ -3,16 +3,12 @@
 On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
 "none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": false}`` is not
 given. With ``"gdn_kernel": true`` or a trimmed length an unmet requirement is an error naming the
-value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path left plain
-decoding's output on all 24 prompts of the reference hybrid with selection on the H200
-(``docs/benchmarks/h200-2026-12-02b``). Left unset otherwise, it falls back to vLLM's own GDN path
-with a warning.
+value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path is not exact
+when fewer tokens are verified than drafted (the measurements: ``docs/benchmarks/choices.md``). Left
+unset otherwise, it falls back to vLLM's own GDN path with a warning.
 
-On GPUs the layer's spec steps run in vLLM's full CUDA graphs: on the H200, float32, the reference
-hybrid with its H-Spec drafter at ``max_num_seqs`` 8 gives plain decoding's greedy output on every
-prompt, verifying every draft and with selected lengths (32/32 on 2026-12-04, 24/24 with the lengths
-cut on the device, ``docs/benchmarks/h200-2026-12-04b``); vLLM's own path gave 9/24
-(``h200-2026-12-02b``).
+On GPUs the layer's spec steps run in vLLM's full CUDA graphs, where it gives plain decoding's greedy
+output, verifying every draft and with selected lengths (``docs/benchmarks/choices.md``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by 
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
   is set to ``PIECEWISE`` when ``"full_graph_spec_steps": false`` asks for it (by default its spec steps
-  replay vLLM's full graphs, exact on the H200, ``docs/benchmarks/h200-2026-12-04b``).
+  replay vLLM's full graphs, which are exact: ``docs/benchmarks/choices.md``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ pays, per the policy's gate table).
 A gated step must cost what a plain step costs. Taken out on the host after vLLM scheduled it
 (``trimming.py``), a gated step still carries the ``K`` drafts the scheduler counted: vLLM's runner
 corrects its computed-token counts for them on the device and on the host (a wait), and prepares a
-drafting round that drafts nothing; at a 12-layer 35B slice that cost 0.6 ms over a 2.0 ms plain
-step (``docs/benchmarks/h200-2026-12-04b/sliceprof``). vLLM's own dynamic speculative decoding
+drafting round that drafts nothing, a measurable share of a plain step (``docs/benchmarks/choices.md``).
+vLLM's own dynamic speculative decoding
 (``SpeculativeConfig.num_speculative_tokens_per_batch_size``) instead has the scheduler decide, from
 the batch size, how many drafts the next step schedules; a gate table is such a schedule with ``K``
 or ``0`` per batch size:

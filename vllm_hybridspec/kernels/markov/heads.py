@@ -21,8 +21,8 @@ a few candidate previous tokens (the best tokens of the previous position's logi
 ``tl.dot`` per tile, a small kernel follows each request's chain through the candidates, and a
 request runs a per-position pass only where the token drafted before is none of the position's
 candidates: at its first such position and, the chain picked up again from the token that pass
-drafted, at each later one (on the trained reference drafters the token drafted before is among the
-8 best of the previous position's logits at 86-92 % of positions, ``docs/benchmarks/cpu-2026-12-05``).
+drafted, at each later one (on the trained reference drafters the token drafted before is usually
+among the few best of the previous position's logits: ``docs/benchmarks/choices.md``).
 
 From the merged summary ``(M, Z = sum exp(x - M), T = sum exp(x - M)(x - M))``: the greedy token's
 probability is ``1 / Z`` and the entropy ``log Z - T / Z``.
@@ -177,8 +177,8 @@ def _markov_position_kernel(
         run_s = tl.zeros([NP], tl.float32)
         run_t = tl.zeros([NP], tl.float32)
         run_i = tl.zeros([NP], tl.int32)
-        # W2 streams through L2 (keeping a share of it there across positions was 4-8 % slower,
-        # docs/benchmarks/h200-2026-12-04c)
+        # W2 streams through L2 (keeping a share of it there across positions was slower,
+        # docs/benchmarks/choices.md)
         for jt in range(TILES):
             run_m, run_s, run_t, run_i = _tile(
                 logits, o_n * stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, active,
