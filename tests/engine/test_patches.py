@@ -198,3 +198,22 @@ def test_hooks_run_in_the_tables_order_with_the_arguments_they_name():
     before = patches._hooks_before((lambda runner: calls.append(("a", runner)),))(lambda self, n: calls.append(n))
     before("runner", 5)
     assert calls == [("a", "runner"), 5]
+
+
+def test_porting_installs_the_rows_that_fit_and_names_the_rest(monkeypatch):
+    """``apply_what_fits`` (``VLLM_HYBRIDSPEC_ANY_VLLM=1`` on another release): a row whose vLLM symbol
+    takes other parameters is left out and named with its problem; the intact rows are installed."""
+    import dataclasses
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = next(r for r in patches.PATCHES if r.attr == "_sample")
+    bent = dataclasses.replace(sample, params=("self", "logits", "metadata"))
+    monkeypatch.setattr(GPUModelRunner, "_sample", patches.original_of(GPUModelRunner._sample))
+    monkeypatch.setattr(patches, "PATCHES", (bent, next(r for r in patches.PATCHES if r.attr == "_update_states")))
+    left_out = patches.apply_what_fits(("always",))
+    assert left_out == [(bent.name, [
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample takes ['self', 'logits', 'spec_decode_metadata'], "
+        "the plugin expects ['self', 'logits', 'metadata']"])]
+    assert not getattr(GPUModelRunner._sample, "__hspec_wrapped__", False)
+    assert patches.is_applied(patches.PATCHES[1])

@@ -39,7 +39,8 @@ def test_a_changed_signature_fails_its_row_naming_it():
     assert patches.check_row(gone) == [
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample_gone no longer exists"]
     new = next(r for r in patches.PATCHES if r.attr == "hspec_lengths")
-    clash = dataclasses.replace(new, attr="cudagraph_mode", site="vllm_hybridspec.engine.gdn.runner:piecewise_spec_steps")
+    clash = dataclasses.replace(new, attr="cudagraph_mode",
+                                site="vllm_hybridspec.engine.gdn.runner:piecewise_spec_steps")
     assert patches.check_row(clash) == [
         "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.cudagraph_mode now exists in vLLM; the plugin's "
         "attribute of that name would overwrite it"]

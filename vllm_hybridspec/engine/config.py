@@ -19,6 +19,7 @@ from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
 from vllm_hybridspec.engine.compat import (
     HSPEC_ARCHITECTURE,
     HSPEC_METHOD,
+    any_vllm,
     check_vllm_version,
     vllm_speculative_methods,
 )
@@ -136,7 +137,8 @@ def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str)
             )
         return spec
 
-    check_vllm_version()
+    if not any_vllm():
+        check_vllm_version()
     if not model:
         raise ValueError(
             f'speculative method "{HSPEC_METHOD}" needs "model": the path or hub id of an H-Spec '

@@ -394,6 +394,19 @@ def apply(when: tuple[str, ...]) -> None:
         apply_row(row)
 
 
+def apply_what_fits(when: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """Porting work on another vLLM release: install the rows of ``when`` that :func:`check_row` finds
+    intact, in table order; returns ``(row name, problems)`` of those left out."""
+    left_out = []
+    for row in rows(when=when):
+        problems = check_row(row)
+        if problems:
+            left_out.append((row.name, problems))
+        else:
+            apply_row(row)
+    return left_out
+
+
 # --- checking rows against the installed vLLM (tests/engine/test_vllm_contract.py, scripts/vllm_release.py) --
 
 _ORIGINALS: dict[tuple[str, str], object] = {}  # (owner, attr) -> vLLM's object a replace row replaced

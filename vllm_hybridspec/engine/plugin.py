@@ -7,15 +7,16 @@ See ``docs/architecture.md``."""
 from __future__ import annotations
 
 import logging
-import os
 
-from vllm_hybridspec.engine.compat import HSPEC_METHOD, check_vllm_version, installed_vllm_version
+from vllm_hybridspec.engine.compat import (
+    ANY_VLLM_ENV,
+    HSPEC_METHOD,
+    any_vllm,
+    check_vllm_version,
+    installed_vllm_version,
+)
 
 logger = logging.getLogger(__name__)
-
-# Set to 1 to install the plugin on a vLLM release other than the supported one (porting work:
-# scripts/vllm_release.py, docs/porting.md); every row of engine/patches.py then meets that release.
-ANY_VLLM_ENV = "VLLM_HYBRIDSPEC_ANY_VLLM"
 
 _registered = False
 _version_error: RuntimeError | None = None
@@ -28,10 +29,11 @@ def register() -> None:
         return
     from vllm_hybridspec.engine import patches
 
+    porting = False
     try:
         check_vllm_version()
     except RuntimeError as error:
-        if os.environ.get(ANY_VLLM_ENV) != "1":
+        if not any_vllm():
             # A wrong vLLM must not break vLLM for users who do not ask for H-Spec: install only the
             # config guard, which raises this error when "hspec" is requested.
             logger.warning("%s; H-Spec speculative decoding is disabled", error)
@@ -43,12 +45,19 @@ def register() -> None:
             _registered = True
             return
         logger.warning("%s; installing anyway (%s=1)", error, ANY_VLLM_ENV)
+        porting = True
 
     from vllm.platforms import current_platform
 
     import vllm_hybridspec.drafter  # noqa: F401  (registers "hspec" with speculators)
 
-    patches.apply(("always", "cpu") if current_platform.is_cpu() else ("always",))
+    when = ("always", "cpu") if current_platform.is_cpu() else ("always",)
+    if porting:
+        for name, problems in patches.apply_what_fits(when):
+            logger.warning("vllm-hybridspec: row %r of engine/patches.py left out: %s", name, "; ".join(problems))
+    else:
+        patches.apply(when)
+
     from vllm_hybridspec.engine.drafting.proposer import register_substitute
     from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer, is_replay_engine
 
