@@ -338,7 +338,7 @@ def apply_row(row: Reach) -> None:
     owner = resolve(row.owner)
     if row.kind == "wrap":
         for ref in row.by:
-            wrap_once(owner, row.attr, resolve(ref), key=ref)
+            wrap_once(owner, row.attr, resolve(ref))  # keyed "module.qualname" of the maker
     elif row.kind in ("hooks_after", "hooks_before"):
         hooks = tuple(resolve(ref) for ref in row.by)
         names = tuple(p for p in row.params[1:] if p != "...")
@@ -558,5 +558,5 @@ def is_applied(row: Reach) -> bool:
     while getattr(link, "__hspec_wrapped__", False):
         keys.add(link.__hspec_key__)
         link = link.__wrapped__
-    want = set(row.by) if row.kind == "wrap" else {f"{__name__}:{row.kind}"}
+    want = {ref.replace(":", ".") for ref in row.by} if row.kind == "wrap" else {f"{__name__}:{row.kind}"}
     return want <= keys
