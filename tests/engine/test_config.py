@@ -242,12 +242,13 @@ def test_the_engine_log_names_an_hspec_configuration_by_the_method_asked_for():
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.vllm import VllmConfig
 
+    from vllm_hybridspec.engine import patches
     from vllm_hybridspec.engine.compat import HSPEC_ARCHITECTURE
-    from vllm_hybridspec.engine.config import patch_speculative_config_repr
 
     assert "speculative_config={self.speculative_config!r}" in inspect.getsource(VllmConfig.__str__)
-    patch_speculative_config_repr()
-    patch_speculative_config_repr()  # idempotent: one wrapper in the chain
+    row = next(r for r in patches.PATCHES if r.owner.endswith(":SpeculativeConfig") and r.attr == "__repr__")
+    patches.apply_row(row)
+    patches.apply_row(row)  # idempotent: one wrapper in the chain
 
     def config(method, architectures):
         draft = SimpleNamespace(model="models/hybrid-hspec", hf_config=SimpleNamespace(architectures=architectures))

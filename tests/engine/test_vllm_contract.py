@@ -5,12 +5,50 @@ the plugin patches at registration (``engine/config.py``, ``engine/drafting/``):
 methods, ``VllmConfig._get_v2_model_runner_unsupported_features``, ``algos.register_speculator`` and
 the arguments of ``SpecDecodeBaseProposer.propose``.
 
-Each feature's own reaches into vLLM are checked beside it, in ``tests/engine/<feature>/test_vllm_contract.py``
-(``cpu``, ``drafting``, ``gdn``, ``length``, ``replay``)."""
+Every row of ``engine/patches.py`` is checked against the installed vLLM here, one test per row named
+after it (``test_patch_row[<feature>: <Owner>.<attribute>]``): the owner and attribute exist, vLLM's
+symbol takes the parameters the plugin's wrapper expects, a state row's attribute is one of vLLM's
+(or, for an attribute the plugin adds, is not), and its site writes it. What each feature relies on
+beyond the rows (the source lines its wrappers assume) is checked beside it, in
+``tests/engine/<feature>/test_vllm_contract.py`` (``cpu``, ``drafting``, ``gdn``, ``length``, ``replay``)."""
 
 import importlib.metadata
 
+import pytest
+
+from vllm_hybridspec.engine import patches
 from vllm_hybridspec.engine.compat import SUPPORTED_VLLM
+
+
+@pytest.mark.parametrize("row", patches.PATCHES, ids=str)
+def test_patch_row(row):
+    problems = patches.check_row(row)
+    assert not problems, f"engine/patches.py row {row.name!r}: " + "; ".join(problems)
+
+
+def test_a_changed_signature_fails_its_row_naming_it():
+    """Negative control: the same check on a row that expects another signature of vLLM's method."""
+    import dataclasses
+
+    row = next(r for r in patches.PATCHES if r.attr == "_sample")
+    bent = dataclasses.replace(row, params=("self", "logits", "metadata"))
+    assert patches.check_row(bent) == [
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample takes ['self', 'logits', 'spec_decode_metadata'], "
+        "the plugin expects ['self', 'logits', 'metadata']"]
+    gone = dataclasses.replace(row, attr="_sample_gone")
+    assert patches.check_row(gone) == [
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample_gone no longer exists"]
+    new = next(r for r in patches.PATCHES if r.attr == "hspec_lengths")
+    clash = dataclasses.replace(new, attr="cudagraph_mode",
+                                site="vllm_hybridspec.engine.gdn.runner:piecewise_spec_steps")
+    assert patches.check_row(clash) == [
+        "vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.cudagraph_mode now exists in vLLM; the plugin's "
+        "attribute of that name would overwrite it"]
+    elsewhere = dataclasses.replace(next(r for r in patches.PATCHES if r.attr == "dynamic_sd_lookup"),
+                                    site="vllm_hybridspec.engine.length.gate:gate_schedule")
+    assert patches.check_row(elsewhere) == [
+        "vllm_hybridspec.engine.length.gate:gate_schedule writes no .dynamic_sd_lookup (the row names it as "
+        "the one writer)"]
 
 
 def test_installed_vllm_is_the_supported_release():

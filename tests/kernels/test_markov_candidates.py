@@ -36,9 +36,9 @@ def random_case(gen, N, K, V, R, dtype, bias, scale=3.0):
     return logits, anchors, w1, w2
 
 
-def run(logits, anchors, w1, w2, M, passes=None, **launch):
+def run(logits, anchors, w1, w2, M, passes=None, heads_fn=markov_heads, **launch):
     first = torch.full((logits.shape[0],), -1, dtype=torch.int32)
-    got = markov_heads(logits, anchors, w1, w2, candidates=M, first_unresolved=first, passes=passes, **launch)
+    got = heads_fn(logits, anchors, w1, w2, candidates=M, first_unresolved=first, passes=passes, **launch)
     ref = markov_heads_reference(logits, anchors, w1, w2)
     margins = top2_margins(logits, ref.tokens, anchors, w1, w2)
     assert got.tokens.dtype == torch.int64 and got.top1_prob.dtype == got.entropy.dtype == torch.float32
@@ -160,11 +160,45 @@ def test_candidate_columns_and_arguments():
     assert passes.tolist() == [[1] * K] * N  # without candidates every position is a pass
 
 
+# The negative controls' bugs, planted in a copy of kernels/markov/heads.py: (text in the kernels, its
+# replacement). 1 resolves a position from the neighbouring candidate's column; 2 takes the first
+# unresolved position's previous token from the per-position summaries (never computed for it; zeroed,
+# so the token read is 0, in bounds) instead of the token the candidates resolved; 3 picks the chain up
+# again after a pass from the first column of the position's candidates, whichever one matched.
+PLANTED_BUGS = {
+    1: [("        alive = found\n", "        alive = found\n        j = j + 1\n")],
+    2: [("        later = m_n & (first < k)\n",
+         "        later = m_n & (first < k)\n        carried = carried | at_first\n"),
+        ("    parts = torch.empty(3, K, N, NB,", "    parts = torch.zeros(3, K, N, NB,"),
+        ("    part_i = torch.empty(K, N, NB,", "    part_i = torch.zeros(K, N, NB,")],
+    3: [("            col = block + tl.where(found, j, 0)\n", "            col = block\n")],
+}
+
+
+def planted_heads(tmp_path, bug: int):
+    """``markov_heads`` of a copy of ``kernels/markov/heads.py`` with bug ``bug`` of :data:`PLANTED_BUGS`
+    (each replaced text found exactly once), imported beside the real module (Triton reads the kernels'
+    source from the file)."""
+    import importlib.util
+    from pathlib import Path
+
+    source = Path(heads.__file__).read_text()
+    for old, new in PLANTED_BUGS[bug]:
+        assert source.count(old) == 1, (bug, old)
+        source = source.replace(old, new)
+    path = tmp_path / f"heads_planted_{bug}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"vllm_hybridspec.kernels.markov.heads_planted_{bug}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.markov_heads
+
+
 # the planted bug 2 merges zeroed summaries (Z = 0): its signals are inf / nan, as a wrong head's may be
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
-def test_the_check_catches_planted_candidate_bugs(monkeypatch):
-    """Negative controls: the kernels with a planted bug (``heads._PLANTED``), each rejected by the
-    check the real kernels pass on the same inputs."""
+def test_the_check_catches_planted_candidate_bugs(tmp_path):
+    """Negative controls: copies of the kernels with a planted bug (:func:`planted_heads`), each rejected
+    by the check the real kernels pass on the same inputs."""
     gen = torch.Generator().manual_seed(fresh_seed("markov candidates"))
     N, K, V, R = 6, 6, 400, 16
     launch = dict(BV=32, programs=3)
@@ -173,30 +207,25 @@ def test_the_check_catches_planted_candidate_bugs(monkeypatch):
     logits, anchors, w1, w2 = random_case(gen, N, K, V, R, torch.float32, bias=0.5)
     got, ref, margins, first = run(logits, anchors, w1, w2, 8, **launch)
     assert mismatches(got, ref, margins) == [] and int((first > 1).sum()) >= N // 2
-    monkeypatch.setattr(heads, "_PLANTED", 1)
-    got, *_ = run(logits, anchors, w1, w2, 8, **launch)
+    got, *_ = run(logits, anchors, w1, w2, 8, heads_fn=planted_heads(tmp_path, 1), **launch)
     assert len(mismatches(got, ref, margins)) >= N // 2
 
     # 2. the first unresolved position's previous token from the (never computed) per-position
     # summaries of the position before instead of the token the candidates resolved
-    monkeypatch.setattr(heads, "_PLANTED", 0)
     logits, anchors, w1, w2 = random_case(gen, N, K, V, R, torch.float32, bias=4.0, scale=1.0)
     got, ref, margins, first = run(logits, anchors, w1, w2, 2, **launch)
     fell_back = int((first < K).sum())
     assert mismatches(got, ref, margins) == [] and fell_back >= N // 2
-    monkeypatch.setattr(heads, "_PLANTED", 2)
-    got, *_ = run(logits, anchors, w1, w2, 2, **launch)
+    got, *_ = run(logits, anchors, w1, w2, 2, heads_fn=planted_heads(tmp_path, 2), **launch)
     assert len(mismatches(got, ref, margins)) >= fell_back // 2
 
     # 3. after a pass, the chain picked up again from the first column of the position's candidates,
     # whichever matched
-    monkeypatch.setattr(heads, "_PLANTED", 0)
     N, K = 6, 12
     logits, anchors, w1, w2 = random_case(gen, N, K, V, R, torch.float32, bias=1.2, scale=1.0)
     passes = torch.zeros(N, K, dtype=torch.int32)
     got, ref, margins, first = run(logits, anchors, w1, w2, 4, passes=passes, **launch)
     picked_up = sum(1 for n in range(N) for k in range(int(first[n]) + 1, K) if int(passes[n, k]) == 0)
     assert mismatches(got, ref, margins) == [] and picked_up >= N
-    monkeypatch.setattr(heads, "_PLANTED", 3)
-    got, *_ = run(logits, anchors, w1, w2, 4, **launch)
+    got, *_ = run(logits, anchors, w1, w2, 4, heads_fn=planted_heads(tmp_path, 3), **launch)
     assert len(mismatches(got, ref, margins)) >= N // 2

@@ -61,11 +61,13 @@ def test_hybrid_target_in_vllm_cpu_matches_transformers(tiny_hybrid, monkeypatch
     import vllm._custom_ops as ops
 
     from vllm_hybridspec.engine.cpu import ops as cpu_gdn
-    from vllm_hybridspec.engine.cpu.ops import patch_cpu_gdn_ops
+    from vllm_hybridspec.engine import patches
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    patch_cpu_gdn_ops()
+    for row in patches.rows(feature="cpu"):
+        if row.owner == "vllm._custom_ops":
+            patches.apply_row(row)
     if decode_state == "dropped":
         def forgetful_decode(*args, **kwargs):
             kwargs["initial_state_source"].zero_()

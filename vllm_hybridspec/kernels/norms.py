@@ -1,10 +1,9 @@
 """The H-Spec drafter's RMS norms as one kernel each.
 
 In eager torch a ``Qwen3RMSNorm`` is about eight kernels (upcast, square, mean, add, rsqrt, scale,
-downcast, weight) and the Mamba mixer's gated group norm about eleven; a drafting round at the 35B
-shape runs 23 of them, a few microseconds each for a few kilobytes
-(``docs/benchmarks/h200-2026-12-04c``: the round's layers are bound by their small kernels, not by
-bytes). Here each norm is one launch with the same arithmetic:
+downcast, weight) and the Mamba mixer's gated group norm about eleven, a few microseconds each for a
+few kilobytes: a drafting round's layers are bound by their small kernels, not by bytes
+(``docs/benchmarks/choices.md``). Here each norm is one launch with the same arithmetic:
 
 * :func:`rms_norm` as ``Qwen3RMSNorm``: float32 statistics, the normalised row rounded to the input's
   dtype, then multiplied by the weight and rounded to the promoted dtype (torch's ``weight * x``);

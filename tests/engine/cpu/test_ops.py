@@ -5,7 +5,8 @@ import torch
 from vllm_hybridspec.kernels.gdn import recurrent_gated_delta_rule
 
 from vllm_hybridspec.engine.cpu import ops as cpu_gdn
-from vllm_hybridspec.engine.cpu.ops import CPU_GDN_OPS, patch_cpu_gdn_ops
+from vllm_hybridspec.engine import patches
+from vllm_hybridspec.engine.cpu.ops import CPU_GDN_OPS
 
 from ...kernels.gdn_inputs import random_round, random_states, rel_err
 
@@ -127,8 +128,10 @@ def test_gating_shapes_match_vllm():
 def test_patch_installs_every_op_where_vllm_looks():
     import vllm._custom_ops as ops
 
-    patch_cpu_gdn_ops()
-    patch_cpu_gdn_ops()  # idempotent
+    rows = [r for r in patches.rows(feature="cpu") if r.owner == "vllm._custom_ops"]
+    assert sorted(r.attr for r in rows) == sorted(CPU_GDN_OPS)
+    for row in rows + rows:  # idempotent
+        patches.apply_row(row)
     for name in CPU_GDN_OPS:
         assert getattr(ops, name) is getattr(cpu_gdn, name)
     from vllm_hybridspec.engine.gdn.vllm_path import vllm_package_dir

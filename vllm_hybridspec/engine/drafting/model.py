@@ -355,16 +355,3 @@ class HSpecForVLLM(nn.Module):
         else:
             heads = markov_heads_torch(logits, anchor_ids, *weights)
         return DraftBlock(heads.tokens, heads.top1_prob, heads.entropy)
-
-
-# --- the reaches into vLLM this model needs --------------------------------------------------------
-
-
-def register_speculators_algorithm(name: str, update_fn) -> None:
-    """``vllm.transformers_utils.configs.speculators.algos.SUPPORTED_SPECULATORS_TYPES``: vLLM
-    converts a speculators-format ``config.json`` (as a served model or as the draft) through the
-    updater registered for its ``speculators_model_type``; ``register_speculator`` is the decorator
-    vLLM's own algorithms use, but it is not a documented plugin API."""
-    from vllm.transformers_utils.configs.speculators import algos
-
-    algos.register_speculator(name)(update_fn)

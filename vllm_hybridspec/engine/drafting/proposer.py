@@ -23,7 +23,6 @@ from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_hybridspec.drafter.layers import DraftBlock
-from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.config import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
@@ -32,8 +31,21 @@ from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.gate import sync_scheduler
 from vllm_hybridspec.engine.length.selector import BudgetCache, LengthSelector, draft_signals, remaining_budget
 from vllm_hybridspec.engine.options import hybridspec_options
-from vllm_hybridspec.engine.replay.config import replay_options
 from vllm_hybridspec.engine.runner_state import state_of
+
+
+# Proposers that stand in for H-Spec's on an engine they claim, registered by their feature
+# (plugin.register: engine/replay/'s replayed acceptance): (claims(vllm_config) -> bool, class).
+SUBSTITUTES: list[tuple] = []
+
+
+def register_substitute(claims, proposer_class) -> None:
+    """Build ``proposer_class`` (an ``HSpecProposer``) instead of ``HSpecProposer`` for an H-Spec engine whose
+    ``VllmConfig`` ``claims`` (idempotent)."""
+    if not issubclass(proposer_class, HSpecProposer):
+        raise TypeError(f"{proposer_class} must subclass HSpecProposer")
+    if (claims, proposer_class) not in SUBSTITUTES:
+        SUBSTITUTES.append((claims, proposer_class))
 
 
 class RunnerDFlashProposer(DFlashProposer):
@@ -49,10 +61,9 @@ class RunnerDFlashProposer(DFlashProposer):
     def __new__(cls, vllm_config: VllmConfig, device: torch.device, runner=None):
         if cls is not RunnerDFlashProposer or not is_hspec_speculative_config(vllm_config.speculative_config):
             return object.__new__(cls)
-        if replay_options(vllm_config) is not None:  # benchmarking only (engine/replay/)
-            from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer
-
-            return object.__new__(ReplayHSpecProposer)
+        for claims, substitute in SUBSTITUTES:  # benchmarking only (engine/replay/)
+            if claims(vllm_config):
+                return object.__new__(substitute)
         return object.__new__(HSpecProposer)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
@@ -280,50 +291,23 @@ class HSpecProposer(RunnerDFlashProposer):
         self.model.draft(last_hidden, anchors, prefix_kv, prefix_lens, K)
 
 
-# --- the reaches into vLLM this proposer needs -----------------------------------------------------
+# --- the wrapper (a row of engine/patches.py) ------------------------------------------------------
 
 
-def patch_runner_dflash_proposer(proposer_class) -> None:
-    """Replace the name ``DFlashProposer`` in ``vllm.v1.worker.gpu_model_runner`` (which the CPU runner
-    inherits) with ``proposer_class``, a subclass of ``vllm.v1.spec_decode.dflash.DFlashProposer``.
-
-    Why: ``GPUModelRunner.__init__`` picks the proposer with an ``if/elif`` chain over method names and
-    has no hook for a new one (``method="custom_class"`` constructs the class with ``vllm_config`` only
-    and then calls ``propose(sampled_token_ids, ...)`` with CPU token lists: no hidden states, no KV
-    cache, no model loading). H-Spec runs as method "dflash" inside vLLM, so the runner already asks
-    the target for auxiliary hidden states, allots the parallel-drafting slots and calls
-    ``propose(target_hidden_states=..., common_attn_metadata=...)``; this patch makes the runner's
-    ``DFlashProposer(...)`` call construct ``proposer_class``, whose ``__new__`` builds the H-Spec
-    proposer for H-Spec drafts and vLLM's own DFlash proposer otherwise. The runner's
-    ``isinstance(self.drafter, DFlashProposer)`` checks keep holding because both are subclasses."""
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-    from vllm.v1.worker import gpu_model_runner
-
-    if not issubclass(proposer_class, DFlashProposer):
-        raise TypeError(f"{proposer_class} must subclass vLLM's DFlashProposer")
-    current = gpu_model_runner.DFlashProposer
-    if current is not DFlashProposer and current is not proposer_class:
-        raise RuntimeError(f"vllm.v1.worker.gpu_model_runner.DFlashProposer is already patched ({current})")
-    gpu_model_runner.DFlashProposer = proposer_class
-
-
-def patch_v2_runner_unsupported(is_hspec) -> None:
-    """Wrap ``vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features``.
+def h_spec_on_the_v1_runner(original):
+    """The wrapper of ``vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features``
+    (``engine/patches.py``; the row that replaces the runner's name ``DFlashProposer`` by
+    :class:`RunnerDFlashProposer` sits beside it).
 
     Why: dense targets default to the V2 model runner on GPUs, whose speculators are chosen by
     ``vllm.v1.worker.gpu.spec_decode.init_speculator`` (method "dflash" would get V2's DFlash
     speculator). H-Spec is implemented for the V1 runner, the one hybrid targets use; listing it as
     unsupported makes vLLM fall back to V1 with its usual warning (or raise its usual error when
     ``VLLM_USE_V2_MODEL_RUNNER=1`` forces V2)."""
-    from vllm.config.vllm import VllmConfig
+    def _get_v2_model_runner_unsupported_features(self):
+        unsupported = original(self)
+        if is_hspec_speculative_config(self.speculative_config):
+            unsupported.append("H-Spec speculative decoding (vllm-hybridspec runs it in the V1 runner)")
+        return unsupported
 
-    def make(original):
-        def _get_v2_model_runner_unsupported_features(self):
-            unsupported = original(self)
-            if is_hspec(self.speculative_config):
-                unsupported.append("H-Spec speculative decoding (vllm-hybridspec runs it in the V1 runner)")
-            return unsupported
-
-        return _get_v2_model_runner_unsupported_features
-
-    wrap_once(VllmConfig, "_get_v2_model_runner_unsupported_features", make)
+    return _get_v2_model_runner_unsupported_features

@@ -3,16 +3,12 @@
 On when: spec decoding is configured, the target's SSM cache is float32, ``mamba_cache_mode ==
 "none"``, ``num_speculative_tokens + 1 <= 16``, and ``"hybridspec": {"gdn_kernel": false}`` is not
 given. With ``"gdn_kernel": true`` or a trimmed length an unmet requirement is an error naming the
-value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path left plain
-decoding's output on all 24 prompts of the reference hybrid with selection on the H200
-(``docs/benchmarks/h200-2026-12-02b``). Left unset otherwise, it falls back to vLLM's own GDN path
-with a warning.
+value, and so is ``"gdn_kernel": false`` with a trimmed length: vLLM's own GDN spec path is not exact
+when fewer tokens are verified than drafted (the measurements: ``docs/benchmarks/choices.md``). Left
+unset otherwise, it falls back to vLLM's own GDN path with a warning.
 
-On GPUs the layer's spec steps run in vLLM's full CUDA graphs: on the H200, float32, the reference
-hybrid with its H-Spec drafter at ``max_num_seqs`` 8 gives plain decoding's greedy output on every
-prompt, verifying every draft and with selected lengths (32/32 on 2026-12-04, 24/24 with the lengths
-cut on the device, ``docs/benchmarks/h200-2026-12-04b``); vLLM's own path gave 9/24
-(``h200-2026-12-02b``).
+On GPUs the layer's spec steps run in vLLM's full CUDA graphs, where it gives plain decoding's greedy
+output, verifying every draft and with selected lengths (``docs/benchmarks/choices.md``).
 """
 
 from __future__ import annotations
@@ -138,43 +134,24 @@ def one_slot_state_shape(vllm_config, hf_text_config) -> tuple[tuple[int, ...], 
 
 
 def one_slot_page_shape(vllm_config, hf_text_config):
-    """For ``patch_gdn_page_size``: the one-slot shapes when the layer will be on,
+    """For :func:`one_slot_page_size`: the one-slot shapes when the layer will be on,
     ``None`` (vLLM's own shapes) otherwise."""
     return one_slot_state_shape(vllm_config, hf_text_config) if gdn_kernel_enabled(vllm_config) else None
 
 
-# vllm/model_executor/models/: the model classes whose GDN layers are QwenGatedDeltaNetAttention
-# and whose ``get_mamba_state_shape_from_config`` sizes the hybrid page with the spec conv columns.
-QWEN_GDN_MODEL_CLASSES = (
-    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM"),
-    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
-    ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
-)
-
-
-def patch_gdn_page_size(one_slot_shape) -> None:
-    """Wrap the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
-    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and
-    ``Qwen3_5MoeForConditionalGeneration`` (the Qwen3.5 MoE class inherits it from the dense one).
-    ``one_slot_shape(vllm_config, hf_text_config)`` returns the shapes to use, or ``None`` for vLLM's.
+def one_slot_page_size(original):
+    """The wrapper of the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
+    ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``
+    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches.py``): the one-slot
+    shapes when the layer will be on, vLLM's otherwise.
 
     Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention
     block and ``cache_config.mamba_page_size_padded`` from this classmethod *before* any layer exists,
     with ``num_spec = num_speculative_tokens`` conv columns; the one-slot layer's page is the plain
     decoding page, and ``MambaSpec`` asserts the layer's page fits the padded one. A model-class
     registration over the same architecture names would do the same with more surface."""
-    import importlib
+    def get_mamba_state_shape_from_config(model_cls, vllm_config):
+        shape = one_slot_page_shape(vllm_config, vllm_config.model_config.hf_text_config)
+        return shape if shape is not None else original(model_cls, vllm_config)
 
-    for module_name, class_name in QWEN_GDN_MODEL_CLASSES:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        original = cls.get_mamba_state_shape_from_config  # bound classmethod
-        if getattr(original, "__hspec_wrapped__", False):
-            continue
-
-        def get_mamba_state_shape_from_config(model_cls, vllm_config, _original=original.__func__):
-            shape = one_slot_shape(vllm_config, vllm_config.model_config.hf_text_config)
-            return shape if shape is not None else _original(model_cls, vllm_config)
-
-        get_mamba_state_shape_from_config.__hspec_wrapped__ = True
-        get_mamba_state_shape_from_config.__wrapped__ = original.__func__
-        cls.get_mamba_state_shape_from_config = classmethod(get_mamba_state_shape_from_config)
+    return get_mamba_state_shape_from_config

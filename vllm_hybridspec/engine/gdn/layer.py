@@ -327,26 +327,3 @@ def one_slot_layers(runner) -> list:
     """The model's GDN layers that run with one state slot per request."""
     context = runner.compilation_config.static_forward_context
     return [layer for layer in context.values() if isinstance(layer, HSpecQwenGDN) and layer.one_slot]
-
-
-QWEN_GDN_LAYER = "QwenGatedDeltaNetAttention"
-
-
-def register_gdn_layer(layer_class) -> None:
-    """``vllm.model_executor.custom_op.PluggableLayer.register_oot``: make every
-    ``QwenGatedDeltaNetAttention(...)`` (built by class name in ``Qwen3NextDecoderLayer`` and
-    ``Qwen3_5DecoderLayer``) construct ``layer_class``, a subclass (idempotent).
-
-    Why here: ``register_oot`` is vLLM's out-of-tree layer hook, but the registry
-    (``custom_op.op_registry_oot``) is keyed by the *name of the class it is called on* and asserts on
-    duplicates, so it must be called on vLLM's class, once per process."""
-    from vllm.model_executor import custom_op
-
-    if not issubclass(layer_class, QwenGatedDeltaNetAttention):
-        raise TypeError(f"{layer_class} must subclass vLLM's {QWEN_GDN_LAYER}")
-    current = custom_op.op_registry_oot.get(QWEN_GDN_LAYER)
-    if current is layer_class:
-        return
-    if current is not None:
-        raise RuntimeError(f"{QWEN_GDN_LAYER} is already replaced by {current}")
-    QwenGatedDeltaNetAttention.register_oot(layer_class)

@@ -3,20 +3,20 @@ a clean plan before vLLM's dummy runs and graph captures, and the committed coun
 
 vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by the CPU runner):
 
-* ``GPUModelRunner._prepare_inputs`` (``compat.patch_runner_after_prepare_inputs``): after it, the
+* ``GPUModelRunner._prepare_inputs`` (a hook of the row in ``engine/patches.py``): after it, the
   persistent batch's row order, the draft counts the GDN builder will classify rows by
   (``self.num_decode_draft_tokens``) and the block tables are final, and the model has not run yet.
   The plan (``PendingRounds.plan``) is computed there on the host and copied to the device.
-* ``GPUModelRunner._dummy_run`` (``compat.patch_runner_before_dummy_run``): before it, the plan is reset
+* ``GPUModelRunner._dummy_run`` (a hook of the row in ``engine/patches.py``): before it, the plan is reset
   to the scratch slab, so a profiling run, a warm-up or a CUDA-graph capture never touches a request's
   pending round, and the layers' float32 conv taps are converted eagerly (a capture records work
   without running it).
-* ``GPUModelRunner._update_states_after_model_execute`` (``compat.patch_runner_after_sampling``): each
+* ``GPUModelRunner._update_states_after_model_execute`` (a hook of the row in ``engine/patches.py``): each
   verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
   is set to ``PIECEWISE`` when ``"full_graph_spec_steps": false`` asks for it (by default its spec steps
-  replay vLLM's full graphs, exact on the H200, ``docs/benchmarks/h200-2026-12-04b``).
+  replay vLLM's full graphs, which are exact: ``docs/benchmarks/choices.md``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ import logging
 
 import numpy as np
 
-from vllm_hybridspec.engine.compat import (
-    patch_runner_after_prepare_inputs,
-    patch_runner_after_sampling,
-    patch_runner_before_dummy_run,
-    wrap_once,
-)
 from vllm_hybridspec.engine.gdn.check import any_check_enabled, check_recorded_steps, log_sampled, warm_step_records
 from vllm_hybridspec.engine.gdn.commit import flush_rounds
 from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach, rounds_of
@@ -148,20 +142,10 @@ def piecewise_spec_steps(vllm_config) -> bool:
 
 
 def _piecewise_before_resolving(original):
-    # composes with engine/length/graphs.py's wrapper of the same method in either order: this one acts
-    # before vLLM resolves the graph mode, that one after it (keys for the resolved mode)
+    # composed with engine/length/graphs.py's wrapper of the same method in engine/patches.py: this one
+    # acts before vLLM resolves the graph mode, that one after it (keys for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         piecewise_spec_steps(self.vllm_config)
         return original(self, *args, **kwargs)
 
     return _check_and_update_cudagraph_mode
-
-
-def patch_runner_pending_rounds() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    wrap_once(GPUModelRunner, "_check_and_update_cudagraph_mode", _piecewise_before_resolving)
-
-    patch_runner_after_prepare_inputs(plan_step)
-    patch_runner_before_dummy_run(clean_plan_before_dummy_run)
-    patch_runner_after_sampling(committed_counts_after_sampling)

@@ -39,11 +39,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_hybridspec.engine.compat import (
-    patch_runner_after_prepare_inputs,
-    patch_runner_before_dummy_run,
-    wrap_once,
-)
 from vllm_hybridspec.engine.runner_state import existing_state, state_of, state_of_forward
 from vllm_hybridspec.kernels.cut import (
     bonus_at_cut,
@@ -249,7 +244,7 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
     return out
 
 
-# --- the reaches into vLLM -------------------------------------------------------------------------
+# --- the wrappers and hooks (rows of engine/patches.py) ---------------------------------------------
 
 
 def reset_before_dummy_run(runner) -> None:
@@ -284,25 +279,3 @@ def _routed_at_cut(original):
         return original(self, hidden_states, router_logits, *args, **kwargs)
 
     return _apply_quant_method
-
-
-def patch_device_cut() -> None:
-    """Hook into or wrap four vLLM 0.26 methods (the module docstring says what each does):
-
-    * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs`` (inherited by the CPU runner;
-      ``compat.patch_runner_after_prepare_inputs``): the cut is planned after it (the pinned staging
-      buffer is reused inside vLLM's ``synchronize_input_prep``);
-    * ``GPUModelRunner._sample``: the rejection sampler with each row's bonus at its cut;
-    * ``GPUModelRunner._dummy_run`` (``compat.patch_runner_before_dummy_run``): no cut in profiling runs,
-      warm-ups and graph captures;
-    * ``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._apply_quant_method``: it routes
-      the step's tokens (inside vLLM's opaque ``moe_forward`` custom op on GPUs, so the gather runs in
-      eager, piecewise and full-graph execution alike, after expert-parallel dispatch, which these
-      engines do not use; where torch.compile traces the MoE, on the CPU, tokens keep their experts)."""
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    patch_runner_after_prepare_inputs(plan_step_cut)
-    patch_runner_before_dummy_run(reset_before_dummy_run)
-    wrap_once(GPUModelRunner, "_sample", _cut_sample)
-    wrap_once(MoERunner, "_apply_quant_method", _routed_at_cut)

@@ -4,8 +4,8 @@ pays, per the policy's gate table).
 A gated step must cost what a plain step costs. Taken out on the host after vLLM scheduled it
 (``trimming.py``), a gated step still carries the ``K`` drafts the scheduler counted: vLLM's runner
 corrects its computed-token counts for them on the device and on the host (a wait), and prepares a
-drafting round that drafts nothing; at a 12-layer 35B slice that cost 0.6 ms over a 2.0 ms plain
-step (``docs/benchmarks/h200-2026-12-04b/sliceprof``). vLLM's own dynamic speculative decoding
+drafting round that drafts nothing, a measurable share of a plain step (``docs/benchmarks/choices.md``).
+vLLM's own dynamic speculative decoding
 (``SpeculativeConfig.num_speculative_tokens_per_batch_size``) instead has the scheduler decide, from
 the batch size, how many drafts the next step schedules; a gate table is such a schedule with ``K``
 or ``0`` per batch size:
@@ -28,8 +28,6 @@ full graphs (``VllmConfig._maybe_override_dynamic_sd_cudagraph_mode``).
 from __future__ import annotations
 
 import weakref
-
-from vllm_hybridspec.engine.compat import wrap_once
 
 BIG_BATCH = 1 << 20  # the end of the last range (vLLM caps it at max_num_seqs)
 
@@ -92,7 +90,7 @@ def skips_drafting(runner, scheduler_output, spec_decode_metadata) -> bool:
     return scheduler_output.num_spec_tokens_to_schedule == 0 and spec_decode_metadata is None
 
 
-# --- the reaches into vLLM -------------------------------------------------------------------------
+# --- the wrappers (rows of engine/patches.py) ------------------------------------------------------
 
 
 def _registered_scheduler(original):
@@ -130,21 +128,3 @@ def _no_round_when_nothing_is_drafted(original):
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 
     return propose_draft_token_ids
-
-
-def patch_scheduler_gate() -> None:
-    """Wrap three vLLM 0.26 methods (the module docstring says why):
-
-    * ``vllm.v1.core.sched.scheduler.Scheduler.__init__``: the scheduler is registered by its
-      ``VllmConfig.instance_id``, so a selector in the same process can set its lookup;
-    * ``vllm.config.vllm.VllmConfig._maybe_override_dynamic_sd_cudagraph_mode``: no switch to
-      ``PIECEWISE`` for a schedule of ``0`` and ``K`` with ``"hybridspec"`` options;
-    * ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids``: no drafting round
-      for a step that verified no draft and drafts none."""
-    from vllm.config.vllm import VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    wrap_once(Scheduler, "__init__", _registered_scheduler)
-    wrap_once(VllmConfig, "_maybe_override_dynamic_sd_cudagraph_mode", _full_graphs_for_a_gate)
-    wrap_once(GPUModelRunner, "propose_draft_token_ids", _no_round_when_nothing_is_drafted)

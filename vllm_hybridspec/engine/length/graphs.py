@@ -26,7 +26,6 @@ vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, ``vllm/v1/cud
 
 from __future__ import annotations
 
-from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.runner_state import existing_state, state_of
 
 # batch sizes that get a graph at every extra length (as far as max_num_seqs and vLLM's largest
@@ -121,9 +120,9 @@ def _lengths_of(runner) -> dict:
 
 
 def _keys_per_length(original):
-    # composes with engine/gdn/runner.py's wrapper of the same method in either order: that one acts
-    # before vLLM resolves the graph mode (a switch to PIECEWISE), this one after it (keys added to the
-    # dispatcher vLLM made for the resolved mode)
+    # composed with engine/gdn/runner.py's wrapper of the same method in engine/patches.py: that one
+    # acts before vLLM resolves the graph mode (a switch to PIECEWISE), this one after it (keys added to
+    # the dispatcher vLLM made for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         add_length_keys(self.cudagraph_dispatcher, graph_lengths(self.vllm_config), self.scheduler_config.max_num_seqs)
@@ -168,13 +167,3 @@ def graph_mode_counts(runner) -> dict[str, int]:
     state = existing_state(runner)
     counts = state.graph_modes if state is not None else {}
     return {f"w={w} B={b} {mode}": n for (w, b, mode), n in sorted(counts.items(), key=str)}
-
-
-def patch_full_graphs_per_length() -> None:
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    wrap_once(GPUModelRunner, "_check_and_update_cudagraph_mode", _keys_per_length)
-    wrap_once(GPUModelRunner, "_warmup_and_capture", _capture_per_length)
-    wrap_once(GPUModelRunner, "_determine_batch_execution_and_padding", _uniform_per_length)
-    wrap_once(CudagraphDispatcher, "dispatch", _dispatch_by_length)

@@ -5,12 +5,27 @@ When the batch gate turns drafting off, the proposer hands vLLM a drafts tensor 
 verifies (``LengthSelector.gated``), and the wrappers below cut every row's scheduled drafts to none.
 The decision is made on the host from the batch size, so nothing waits for the device. Selected
 lengths never pass here: vLLM schedules every draft and the step verifies the selected prefix on the
-device (``cut.py``). Every wrapper passes through unchanged for a runner without a gated step.
+device (``cut.py``). Every wrapper passes through unchanged for a runner without a gated step. The
+wrappers, of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the CPU runner inherits them; rows of
+``engine/patches.py``):
+
+* ``_get_draft_token_ids_cpu`` (sync scheduling): the draft lists handed to
+  ``Scheduler.update_draft_token_ids`` are empty, so the scheduler schedules, allocates KV for and
+  counts no draft. Not under async scheduling, where the same method feeds structured-output
+  validation and penalties of already-scheduled drafts.
+* ``execute_model`` (async scheduling): shallow-copies ``num_scheduled_tokens`` and
+  ``scheduled_spec_decode_tokens`` before they are cut, as vLLM does for ``ngram_gpu``
+  (``dataclasses.replace`` in ``execute_model``), so the engine core's object is not mutated.
+* ``_update_states`` (async scheduling): before it, cuts the scheduler output to no drafts
+  (``trim_to_no_drafts``); after it, restores each request's ``prev_num_draft_len`` to the
+  scheduler's untrimmed count, which the scheduler's ``num_computed_tokens`` counted and the next
+  step's optimistic correction subtracts against (what ``_update_states`` itself does for
+  ``ngram_gpu`` with ``original_num_spec_per_req``). The cut drafts count as rejected in vLLM's
+  spec-decode metrics under async scheduling.
 """
 
 from __future__ import annotations
 
-from vllm_hybridspec.engine.compat import wrap_once
 from vllm_hybridspec.engine.runner_state import existing_state
 
 
@@ -104,31 +119,3 @@ def _trimmed_update_states(original):
         return result
 
     return _update_states
-
-
-def patch_runner_length_trimming() -> None:
-    """Wrap three methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the CPU runner
-    inherits them) so that a gated step verifies no draft.
-
-    * ``_get_draft_token_ids_cpu`` (sync scheduling): the draft lists handed to
-      ``Scheduler.update_draft_token_ids`` are empty, so the scheduler schedules, allocates KV for and
-      counts no draft. Not under async scheduling, where the same method feeds structured-output
-      validation and penalties of already-scheduled drafts.
-    * ``execute_model`` (async scheduling): shallow-copies ``num_scheduled_tokens`` and
-      ``scheduled_spec_decode_tokens`` before they are cut, as vLLM does for ``ngram_gpu``
-      (``dataclasses.replace`` in ``execute_model``), so the engine core's object is not mutated.
-    * ``_update_states`` (async scheduling): before it, cuts the scheduler output to no drafts
-      (``trim_to_no_drafts``); after it, restores each request's ``prev_num_draft_len`` to the
-      scheduler's untrimmed count, which the scheduler's ``num_computed_tokens`` counted and the next
-      step's optimistic correction subtracts against (what ``_update_states`` itself does for
-      ``ngram_gpu`` with ``original_num_spec_per_req``). The cut drafts count as rejected in vLLM's
-      spec-decode metrics under async scheduling.
-
-    Every wrapper passes through unchanged unless the drafts vLLM is about to schedule are a gated
-    step's (``LengthSelector.gated_step``).
-    """
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    wrap_once(GPUModelRunner, "_get_draft_token_ids_cpu", _trimmed_draft_lists)
-    wrap_once(GPUModelRunner, "execute_model", _copied_scheduler_output)
-    wrap_once(GPUModelRunner, "_update_states", _trimmed_update_states)

@@ -44,16 +44,16 @@ def parse_replay_options(raw, k: int, vocab_size: int | None = None) -> dict:
             "continuations": str(Path(raw["continuations"]).resolve()), "seed": seed}
 
 
-def resolve_replay_speculative_config(spec: dict, target_model_config, load_format: str = "auto",
-                                      ) -> tuple[dict, dict]:
+def resolve_replay_speculative_config(spec: dict, target_model_config, load_format: str = "auto", *,
+                                      resolve_hspec) -> tuple[dict, dict]:
     """``{"method": "replay_bench", "model": <H-Spec checkpoint>, "num_speculative_tokens": K,
     "replay_bench": {...}}`` as what an H-Spec config becomes (vLLM's ``"dflash"`` method with the
     checkpoint as its draft, validated against the target as for ``"hspec"``, its weight files as the
     engine's ``load_format`` reads them: none with ``"dummy"``); the validated options
     travel to the workers in ``additional_config["replay_bench"]``, where they make the runner's DFlash
-    proposer a :class:`~vllm_hybridspec.engine.replay.proposer.ReplayHSpecProposer`."""
-    from vllm_hybridspec.engine.config import resolve_speculative_config
-
+    proposer a :class:`~vllm_hybridspec.engine.replay.proposer.ReplayHSpecProposer`. ``resolve_hspec(spec,
+    target_model_config, load_format) -> (spec, extra)`` resolves the ``"hspec"`` config
+    (``engine.config.resolve_speculative_config``, which calls this function with itself)."""
     spec = dict(spec)
     raw = spec.pop(REPLAY_CONFIG_KEY, None)
     if raw is None:
@@ -66,7 +66,7 @@ def resolve_replay_speculative_config(spec: dict, target_model_config, load_form
     k = spec.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise InputError(f'speculative method "{REPLAY_METHOD}" needs "num_speculative_tokens" >= 1, got {k!r}')
-    resolved, _ = resolve_speculative_config({**spec, "method": HSPEC_METHOD}, target_model_config, load_format)
+    resolved, _ = resolve_hspec({**spec, "method": HSPEC_METHOD}, target_model_config, load_format)
     vocab = target_model_config.get_vocab_size() if target_model_config is not None else None
     options = parse_replay_options(raw, resolved["num_speculative_tokens"], vocab)
     return resolved, {REPLAY_CONFIG_KEY: options}

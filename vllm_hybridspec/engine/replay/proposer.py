@@ -8,7 +8,7 @@ It is served the way H-Spec is: ``config.py`` translates the config into vLLM's 
 with the H-Spec checkpoint as its draft, so the runner keeps async scheduling, asks the target for
 the drafter's hidden states and calls ``propose`` after each step's sampling, and
 ``RunnerDFlashProposer.__new__`` (``engine/drafting/proposer.py``) builds this class when
-``additional_config`` holds ``"replay_bench"``. Every round runs the (dummy-weight) H-Spec drafter
+``additional_config`` holds ``"replay_bench"`` (:func:`is_replay_engine`, registered by ``plugin.register``). Every round runs the (dummy-weight) H-Spec drafter
 as ``HSpecProposer`` does, paying its cost (CUDA graphs included on a GPU), and then replaces the
 drafted tokens and their top-1 confidences and entropies with replayed ones (``lookup.py``: the
 recorded greedy continuation, corrupted at a rejection point drawn from recorded rounds), so a
@@ -28,6 +28,12 @@ from vllm_hybridspec.engine.drafting.proposer import HSpecProposer
 from vllm_hybridspec.engine.replay.config import replay_options
 from vllm_hybridspec.engine.replay.data import load_continuations, load_replay_rounds
 from vllm_hybridspec.engine.replay.lookup import ReplayLookup, ReplayRound
+
+
+def is_replay_engine(vllm_config) -> bool:
+    """Whether an H-Spec engine's ``additional_config`` holds ``"replay_bench"`` options: its runner builds a
+    :class:`ReplayHSpecProposer` (``drafting.proposer.register_substitute``, called by ``plugin.register``)."""
+    return replay_options(vllm_config) is not None
 
 
 class ReplayHSpecProposer(HSpecProposer):

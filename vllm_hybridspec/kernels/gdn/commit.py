@@ -112,9 +112,8 @@ def gdn_commit(
         BV, BK, num_warps, precision: launch tuning. ``precision`` is the ``tl.dot`` input precision
             of the update ``sum_i w_i z_i k_i^T``: "tf32x3" (the default: fp32 accuracy from three
             tensor-core passes), "ieee" (fp32 FMA, no tensor cores) or "tf32" (one pass, about 1e-3
-            relative error in the update). On the H200 (30 layers, four sequences, w = 2) the
-            commit took 0.136 ms with "tf32x3", 0.135 with "tf32" and 0.181 with "ieee", measured
-            side by side (docs/benchmarks/h200-2026-12-01c/commit_precisions.log).
+            relative error in the update). "tf32x3" costs what "tf32" costs, "ieee" a third more
+            (docs/benchmarks/choices.md).
     """
     if precision not in ("tf32x3", "ieee", "tf32"):
         raise ValueError(f"precision must be 'tf32x3', 'ieee' or 'tf32', got {precision!r}")

@@ -6,16 +6,15 @@ after the launch, so that no memory the kernel reads is written by another threa
 
 One program per round and block of channels computes every token of the round at once. As torch
 ops (:func:`spec_conv_torch`, the reference and the path off CUDA) that is dozens of small kernels
-per layer and step (index arithmetic, gathers, copies, a float32 reduction): on the 35B-shape slice's
-nine GDN layers, 0.25-0.31 ms of a 16-token-per-request spec step's GPU time
-(``docs/benchmarks/h200-2026-12-04e``). Both compute the taps' products in float32 and add them in
+per layer and step (index arithmetic, gathers, copies, a float32 reduction), a measurable share of a
+spec step's GPU time (``docs/benchmarks/choices.md``). Both compute the taps' products in float32 and add them in
 tap order, then the bias, then SiLU; the kernel is launched without floating-point contraction, so
 the two agree to the last bit up to SiLU's exponential.
 
 The window shift is in place (column ``c`` takes column ``c + m``), so every read of a program comes
 before its barrier and the window's store after it (Triton's interpreter runs a program's loads before
-its stores and cannot show a race there; the H200 check, ``hybridspec kernels spec-conv``, compares
-windows, slabs and outputs with the torch form at up to 32 requests: ``docs/benchmarks/h200-2026-12-04f``).
+its stores and cannot show a race there; on a GPU ``hybridspec kernels spec-conv`` compares windows,
+slabs and outputs with the torch form).
 The layer's path on GPUs unless ``"gdn_fused_conv": false``.
 """
 

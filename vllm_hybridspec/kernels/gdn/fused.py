@@ -247,10 +247,9 @@ def gdn_commit_verify(
     if method == "auto":
         method = "recurrent" if max_len <= recurrent_up_to(N) else "chunk"
     if method == "chunk":
-        # the fused round's launch sweep on the H200 (35B shape, bf16 inputs, 30 layers; `hybridspec
-        # kernels fused --tune`, docs/benchmarks/h200-2026-12-01d): the commit inside the key-chunk loop
-        # wants half the value rows per program of the plain verify (32 against 64: 0.298 against 0.349 ms
-        # at w = 16, one sequence), with 4 warps for one sequence and 2 from four on
+        # the commit inside the key-chunk loop wants half the value rows per program of the plain verify,
+        # with 4 warps for one sequence and 2 from four on (`hybridspec kernels fused --tune`;
+        # docs/benchmarks/choices.md)
         BV = BV or FUSED_CHUNK_BV
         num_warps = num_warps or (4 if N == 1 else 2)
     method, launch = _launch_config(q.dtype, N, K, V, max_len, method, BV, BK, num_warps, precision,

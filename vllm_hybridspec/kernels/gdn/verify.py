@@ -33,21 +33,17 @@ from .tiles import _chunk_products, _chunk_solve, _program_round, _recurrent_ste
 MAX_VERIFY_LEN = 16
 # "auto" steps rounds of at most RECURRENT_UP_TO[n] tokens through the recurrence on registers
 # (gdn_verify_recurrent_kernel), n the largest key <= the number of sequences, and solves longer ones
-# chunkwise (gdn_verify_kernel). Measured on the H200 at the 35B shape (docs/benchmarks/gdn_kernels.md,
-# 2026-12-01): the recurrent round is faster up to w = 4 for one sequence, and only at w = 2 for four
-# (w = 3 is a tie); from w = 8 the chunkwise round is 1.45-3.3x faster. Its lead at w = 2 shrinks
-# from one to four sequences and was not measured beyond, so from five sequences on only one-token
-# rounds use it. (Per-layer CUDA graphs, gdn_graphs.py, verify with U = K + 1 and so run chunkwise.)
+# chunkwise (gdn_verify_kernel): the recurrence wins short rounds of few sequences, its lead shrinking
+# with more sequences, so from five sequences on only one-token rounds use it (the measurements of this
+# and the constants below: docs/benchmarks/choices.md). (Per-layer CUDA graphs, gdn_graphs.py, verify
+# with U = K + 1 and so run chunkwise.)
 RECURRENT_UP_TO = {1: 4, 2: 2, 5: 1}
-# launch defaults of each method (value rows per program, warps); recurrent: the fastest of seven
-# candidates summed over w = 2, 8, 16 and one and four sequences in that run
+# launch defaults of each method (value rows per program, warps); recurrent: the fastest candidate of a
+# launch sweep over round lengths and one and four sequences
 LAUNCH_DEFAULTS = {"chunk": {"BV": 64, "num_warps": 4}, "recurrent": {"BV": 8, "num_warps": 1}}
-# a single sequence verifies recurrently with BV = 4 (twice the programs): 0.107 against 0.136 ms for
-# BV = 8 at w = 2 (30 layers, H200 launch sweep of 2026-12-01, `hybridspec kernels tune`); at four
-# sequences BV = 8 and 16 were within 5 % of each other
+# a single sequence verifies recurrently with BV = 4: twice the programs fill more of the device
 RECURRENT_BV_ONE_SEQ = 4
-# the chunkwise inverse uses the product series from this round length on: at w = 16 it verified in
-# 0.221 against 0.270 ms (one sequence) and 0.307 against 0.350 ms (four) in that sweep
+# the chunkwise inverse uses the product series from this round length on, where it is the faster one
 SERIES_FROM = 9
 # tl.dot input precisions of the chunkwise verify (``precision`` of gdn_verify)
 PRECISIONS = ("auto", "tf32", "tf32x3", "ieee")

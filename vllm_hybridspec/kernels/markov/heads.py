@@ -21,8 +21,8 @@ a few candidate previous tokens (the best tokens of the previous position's logi
 ``tl.dot`` per tile, a small kernel follows each request's chain through the candidates, and a
 request runs a per-position pass only where the token drafted before is none of the position's
 candidates: at its first such position and, the chain picked up again from the token that pass
-drafted, at each later one (on the trained reference drafters the token drafted before is among the
-8 best of the previous position's logits at 86-92 % of positions, ``docs/benchmarks/cpu-2026-12-05``).
+drafted, at each later one (on the trained reference drafters the token drafted before is usually
+among the few best of the previous position's logits: ``docs/benchmarks/choices.md``).
 
 From the merged summary ``(M, Z = sum exp(x - M), T = sum exp(x - M)(x - M))``: the greedy token's
 probability is ``1 / Z`` and the entropy ``log Z - T / Z``.
@@ -43,11 +43,6 @@ PROGRAMS_PER_SM = 2
 DEFAULT_CB = 128  # candidate columns per program of the candidate pass
 MERGE_ROWS = 16  # columns per program of the candidates' merge
 RESOLVE_ROWS = 16  # requests per program of the resolution
-# the tests' negative controls plant a bug here: 1 resolves a position from the neighbouring
-# candidate's column, 2 takes the first unresolved position's previous token from the per-position
-# summaries (never computed for it) instead of the token the candidates resolved, 3 picks the chain up
-# again after a pass from the first column of the position's candidates, whichever one matched
-_PLANTED = 0
 
 
 @triton.jit
@@ -123,7 +118,7 @@ def _markov_position_kernel(
     k, N, V, R, NB, C, M,
     FIRST: tl.constexpr, HAS_MARKOV: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr, NBP: tl.constexpr,
     BV: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    FALLBACK: tl.constexpr = False, MP: tl.constexpr = 2, PLANTED: tl.constexpr = 0,
+    FALLBACK: tl.constexpr = False, MP: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     o_n = tl.arange(0, NP)
@@ -137,8 +132,6 @@ def _markov_position_kernel(
         carried = m_n & (ran != 0)  # rows whose position k - 1 ran a pass: its token is merged here
         at_first = m_n & (first == k)
         later = m_n & (first < k)
-        if PLANTED == 2:
-            carried = carried | at_first
         merged, p1, ent = _merge_partials(part_m, part_s, part_t, part_i, (k - 1) * N * NB + o_n * NB,
                                           carried, NB, NBP)
         known = tl.load(tokens + o_n * stride_on + k - 1, mask=m_n & ~carried, other=0)
@@ -155,8 +148,6 @@ def _markov_position_kernel(
             tl.store(top1 + o_n * stride_on + k - 1, p1, mask=carried)
             tl.store(entropy + o_n * stride_on + k - 1, ent, mask=carried)
             col = block + tl.where(found, j, 0)
-            if PLANTED == 3:  # the block's first column, whichever candidate matched
-                col = block
             tl.store(tokens + o_n * stride_on + k, tl.load(col_token + col, mask=found, other=0), mask=found)
             tl.store(top1 + o_n * stride_on + k, tl.load(col_top1 + col, mask=found, other=0.0), mask=found)
             tl.store(entropy + o_n * stride_on + k, tl.load(col_entropy + col, mask=found, other=0.0),
@@ -186,8 +177,8 @@ def _markov_position_kernel(
         run_s = tl.zeros([NP], tl.float32)
         run_t = tl.zeros([NP], tl.float32)
         run_i = tl.zeros([NP], tl.int32)
-        # W2 streams through L2 (keeping a share of it there across positions was 4-8 % slower,
-        # docs/benchmarks/h200-2026-12-04c)
+        # W2 streams through L2 (keeping a share of it there across positions was slower,
+        # docs/benchmarks/choices.md)
         for jt in range(TILES):
             run_m, run_s, run_t, run_i = _tile(
                 logits, o_n * stride_ln, stride_lv, w2, stride_w2, e, run_m, run_s, run_t, run_i, active,
@@ -273,7 +264,7 @@ def _resolve_kernel(cand, col_token, col_top1, col_entropy,  # [N * C]: int64, i
                     tokens, top1, entropy, stride_on,  # [N, K] outputs
                     first_unresolved,  # [N] int32 output
                     passes, stride_p,  # [N, K] int32 output: position 0 (resolved) written here
-                    N, C, M, K: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr, PLANTED: tl.constexpr):
+                    N, C, M, K: tl.constexpr, NP: tl.constexpr, CP: tl.constexpr):
     """Walk each request's positions in order: position 0 is column 0; position ``k`` is the column
     whose candidate is the token drafted at ``k - 1``, until none is (``first_unresolved = k``, else
     ``K``). The request's ``C`` columns stay in registers, so a step is a compare and a select."""
@@ -300,8 +291,6 @@ def _resolve_kernel(cand, col_token, col_top1, col_entropy,  # [N * C]: int64, i
         found = alive & (j < CP)
         first = tl.where(alive & ~found, k, first)
         alive = found
-        if PLANTED == 1:  # the neighbouring candidate's column
-            j = j + 1
         sel = o_j[None, :] == j[:, None]
         prev = tl.sum(tl.where(sel, tok_all, 0), axis=1)
         tl.store(tokens + o_n * stride_on + k, prev, mask=alive)
@@ -383,10 +372,8 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
         return DraftHeads(tokens, top1, entropy)
     cfg = launch_config(V, device, BV, programs)
     NB = triton.cdiv(V, cfg["BV"] * cfg["TILES"])
-    # zeros only under the planted bug 2, which reads summaries never written (token 0, in bounds)
-    alloc = torch.zeros if _PLANTED == 2 else torch.empty
-    parts = alloc(3, K, N, NB, dtype=torch.float32, device=device)
-    part_i = alloc(K, N, NB, dtype=torch.int32, device=device)
+    parts = torch.empty(3, K, N, NB, dtype=torch.float32, device=device)
+    part_i = torch.empty(K, N, NB, dtype=torch.int32, device=device)
     R = w1.shape[1] if has_markov else 16
     if has_markov and (w2.shape != (V, R) or w1.dtype != w2.dtype):
         raise ValueError(f"Markov weights: w2 must be [V={V}, R={R}] of w1's dtype {w1.dtype}, got "
@@ -417,7 +404,7 @@ def markov_heads(logits: torch.Tensor, anchors: torch.Tensor, w1: torch.Tensor |
             w1_.stride(0), w2_.stride(0), parts[0], parts[1], parts[2], part_i, tokens, top1, entropy,
             tokens.stride(0), k, N, V, R, NB, C, max(candidates, 1), FIRST=k == 0, HAS_MARKOV=has_markov,
             NP=NP, RP=RP, NBP=NBP, PREC=prec, UPCAST=upcast, FALLBACK=use_candidates, MP=MP,
-            PLANTED=_PLANTED, num_warps=num_warps, **stages, **cfg)
+            num_warps=num_warps, **stages, **cfg)
     if K > 1 or not use_candidates:
         _markov_last_kernel[(1,)](parts[0], parts[1], parts[2], part_i, first, ran, ran.stride(0), tokens, top1,
                                   entropy, tokens.stride(0), K - 1, N, NB, NP=NP, NBP=NBP,
@@ -464,5 +451,5 @@ def _candidate_heads(logits, anchors, w1, w2, M, cfg, NB, RP, NBP, prec, upcast,
     NPR = max(2, min(RESOLVE_ROWS, triton.next_power_of_2(N)))
     _resolve_kernel[(triton.cdiv(N, NPR),)](
         cand, col_token, col_top1, col_entropy, tokens, top1, entropy, tokens.stride(0), first, passes,
-        passes.stride(0), N, C, M, K=K, NP=NPR, CP=max(2, triton.next_power_of_2(C)), PLANTED=_PLANTED)
+        passes.stride(0), N, C, M, K=K, NP=NPR, CP=max(2, triton.next_power_of_2(C)))
     return (cand, col_token, col_top1, col_entropy), C

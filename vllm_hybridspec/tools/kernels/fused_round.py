@@ -209,11 +209,3 @@ def run(shape: Shape, batches, lengths, samples: int = 30, replays: int = 10, de
             result["rows"].append(time_rounds(shape, B, w, samples, replays, bandwidth, launch_ms))
             torch.cuda.empty_cache()
     return result
-
-
-if __name__ == "__main__":  # python -m vllm_hybridspec.tools.kernels.fused_round ... (= hybridspec kernels fused)
-    import sys
-
-    from .cli import kernels_app
-
-    kernels_app(["fused", *sys.argv[1:]], prog_name="hybridspec kernels fused")

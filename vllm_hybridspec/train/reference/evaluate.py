@@ -289,7 +289,7 @@ def stage_evaluate(spec, kind: str, drafter_type: str, force: bool = False) -> P
 
     import vllm_hybridspec.drafter  # noqa: F401  (registers hspec)
     from vllm_hybridspec.policy.records import load_records, save_records
-    from vllm_hybridspec.train.reference.pipeline import device_auto
+    from vllm_hybridspec.train.reference.pretrain import device_auto
     from vllm_hybridspec.train.target import load_target
 
     out = Path(spec.out_dir) / f"{kind}-{drafter_type}"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from vllm_hybridspec.train.reference.pretrain import PretrainSpec
+from vllm_hybridspec.train.reference.pretrain import PretrainSpec, device_auto
 from vllm_hybridspec.train.reference.targets import DENSE, HYBRID, TargetSize
 
 SPLIT_FILE = "split.json"
@@ -51,10 +51,6 @@ class BuildSpec(BaseModel):
     response_tokens: int = 128
     drafter_epochs: int = 4
     bootstrap: int = 2000
-
-
-def device_auto() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def stage_corpus(spec: BuildSpec, force: bool = False):

@@ -59,6 +59,11 @@ def eval_windows(tokens: torch.Tensor, seq_len: int, max_tokens: int) -> torch.T
 
 
 @torch.no_grad()
+def device_auto() -> torch.device:
+    """CUDA where there is a device, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def heldout_loss(model, windows: torch.Tensor, batch_size: int, device) -> float:
     model.eval()
     total, count = 0.0, 0
