@@ -304,6 +304,9 @@ headline-record|headline-costs|headline-ours|headline-plain|headline-vllm)
     $PY -m vllm_hybridspec.cli simulate --records "$HD/records.jsonl.gz" --policy "$HD/policy.json" --json \
       > "$HD/simulate.json" 2> "$R/simulate.log" && $PY -m vllm_hybridspec.bench.headline static "$HD/simulate.json" ;;
   headline-ours)
+    for f in policy.json simulate.json; do
+      [ -s "$HD/$f" ] || { echo "headline-ours: $HD/$f is missing: run headline-costs first (its fit or simulation failed)"; exit 2; }
+    done
     W=$($PY -m vllm_hybridspec.bench.headline static "$HD/simulate.json" | tail -1)
     run ours "${BENCH[@]}" -o "$R/ours.json" --label ours --serve "$SERVE --max-num-seqs $SEQS --speculative-config '{$REPLAY, \"hybridspec\": {\"policy\": \"$HD/policy.json\"}}'" \
       --switch "hybridspec={\"policy\": \"$HD/policy.json\"}" --switch 'all={}' --switch "static={\"fixed_length\": $W}" ;;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -158,7 +159,7 @@ def explain(row: Row, plain: Row) -> str:
                else "the policy verified no draft")
         gate = (f"its batch gate turned drafting off in {row.gated_steps} of {row.steps} steps" if row.gated_steps
                 else "its batch gate kept drafting on in every step")
-        what = f"H-Spec drafts {k} tokens a round, {cut}; {gate}; {al} tokens per round"
+        what = f"H-Spec drafts {k} tokens a round; with all prompts at once {cut}, {gate}, {al} tokens per round"
     return f"{what}; {_speed_words(ratio(row, plain), ratio(row, plain, True))}"
 
 
@@ -224,10 +225,14 @@ def output_to(log: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
+REPEATS = 3  # each timing is the median of this many runs: one run of the demo's size lasts about a second
+
+
 def measure(llm, config: str, prompts: list, plain_outputs: list | None, max_tokens: int, bs1_prompts: int,
-            k: int = 0) -> tuple[Row, list]:
+            k: int = 0, repeats: int = REPEATS) -> tuple[Row, list]:
     """Time ``prompts`` all at once and the first ``bs1_prompts`` one at a time on ``llm`` as it is
-    configured now; count outputs identical to ``plain_outputs`` and read the selector's counters."""
+    configured now (each the median of ``repeats`` runs); count outputs identical to ``plain_outputs``
+    (every run's) and read the selector's counters over the runs all at once."""
     from vllm import SamplingParams
 
     from vllm_hybridspec.engine.compat import length_selector
@@ -242,25 +247,31 @@ def measure(llm, config: str, prompts: list, plain_outputs: list | None, max_tok
     selector = length_selector(llm) if k else None
     stats0 = selector.stats() if selector is not None else None
     before = spec_counters(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
-    batch_s = time.perf_counter() - t0
+    batch_s, runs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        batch_s.append(time.perf_counter() - t0)
+        runs.append([list(o.outputs[0].token_ids) for o in outs])
     _, al = counter_delta(before, spec_counters(llm))
     stats1 = selector.stats() if selector is not None else None
-    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    outputs = runs[0]
     load = os.getloadavg()[0]
-    bs1_tokens, bs1_same, t0 = 0, 0, time.perf_counter()
     reference = plain_outputs if plain_outputs is not None else outputs
-    for p, expected in zip(prompts[:bs1_prompts], reference):
-        tokens = list(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-        bs1_tokens += len(tokens)
-        bs1_same += tokens == expected
-    bs1_s = time.perf_counter() - t0
-    row = Row(config=config, tokens_per_s_all_at_once=sum(map(len, outputs)) / batch_s,
-              tokens_per_s_one_at_a_time=bs1_tokens / bs1_s if bs1_prompts else None,
+    bs1_tokens, bs1_same, bs1_s = 0, [], []
+    for _ in range(repeats if bs1_prompts else 0):
+        bs1_tokens, same, t0 = 0, 0, time.perf_counter()
+        for p, expected in zip(prompts[:bs1_prompts], reference):
+            tokens = list(llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+            bs1_tokens += len(tokens)
+            same += tokens == expected
+        bs1_s.append(time.perf_counter() - t0)
+        bs1_same.append(same)
+    row = Row(config=config, tokens_per_s_all_at_once=sum(map(len, outputs)) / statistics.median(batch_s),
+              tokens_per_s_one_at_a_time=bs1_tokens / statistics.median(bs1_s) if bs1_prompts else None,
               prompts_all_at_once=len(prompts), prompts_one_at_a_time=bs1_prompts,
-              identical=sum(a == b for a, b in zip(outputs, reference)), acceptance_length=al, drafts_per_round=k,
-              identical_one_at_a_time=bs1_same, load=max(load, os.getloadavg()[0]))
+              identical=min(sum(a == b for a, b in zip(run, reference)) for run in runs), acceptance_length=al,
+              drafts_per_round=k, identical_one_at_a_time=min(bs1_same, default=0), load=max(load, os.getloadavg()[0]))
     if stats0 is not None:
         row.verified = {w: c - stats0["rows_at_length"].get(w, 0) for w, c in stats1["rows_at_length"].items()
                         if c - stats0["rows_at_length"].get(w, 0)}
