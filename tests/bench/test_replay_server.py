@@ -72,7 +72,7 @@ def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_
     print(run.stdout, run.stderr[-2000:], sep="\n")
     assert run.returncode == 0
     assert "is not in the continuations file" not in log
-    assert f"method='dflash', model='{hspec}', num_spec_tokens={K}" in log  # served as H-Spec is
+    assert f"method='hspec' (vLLM path 'dflash'), model='{hspec}', num_spec_tokens={K}" in log  # served as H-Spec is
     for name, expected in (("all", np.minimum(accepted, K)), ("w2", np.minimum(accepted, 1))):
         doc = json.loads((tmp_path / f"replay-{name}.json").read_text())
         assert doc["config"]["label"] == f"replay-{name}" and doc["config"]["switch"]["label"] == name

@@ -201,7 +201,7 @@ def test_fixed_length_selection_counts(fixed):
     w_rem = torch.tensor([1, 2, 5, 8, 8], dtype=torch.int64)
     drafts = torch.zeros(5, K, dtype=torch.int64)
     ids = list("abcde")
-    w = sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
+    w = sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids).w
     want = torch.minimum(torch.full_like(w_rem, fixed), w_rem)
     assert w.dtype == torch.int32 and w.tolist() == want.tolist()
     sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
