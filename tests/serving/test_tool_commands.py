@@ -50,13 +50,13 @@ def test_profile_summarises_each_verification_length(tmp_path):
         assert (len(drafted) == 1 and drafted[0]["calls"] == 1.0) if w == 4 else not drafted
         assert (tmp_path / f"w{w}" / "host.txt").read_text().startswith("wall ")
         # the calls that may wait for the device, with their callers: with spec rows vLLM's drafter preparation
-        # reads counts with .item() every step; vLLM's GDN metadata builder does in steps without drafts, and
-        # the one-slot layer's builder (engine/gdn/metadata.py) reads none in spec steps
+        # reads counts with .item() every step; the one-slot layer's GDN metadata builder (engine/gdn/metadata.py)
+        # reads none in spec steps, where vLLM's own builder read counts with .item() every step
         items = [r for r in host["syncs"] if "'item'" in r["where"]]
         callers = {c for r in items for c in r["callers"]}
         assert all(r["calls"] > 0 and r["callers"] for r in host["syncs"])
         assert (w == 4) == any(c.startswith("vllm/v1/spec_decode/llm_base_proposer.py") for c in callers), callers
-        assert (w == 1) == any(c.startswith("vllm/v1/attention/backends/gdn_attn.py") for c in callers), callers
+        assert not any(c.startswith("vllm/v1/attention/backends/gdn_attn.py") for c in callers), callers
         # where the host is blocked: a second pass on the main thread's CPU time, the two passes' clocks
         # equally costly, so wall less CPU time is not negative beyond noise (with a cheaper wall clock it
         # was -20 % of the step here); a busy machine may add wall time, so no upper bound
