@@ -153,12 +153,14 @@ modes)
   ;;
 slice|full35)
   LAYERS=12; [ "$STAGE" = full35 ] && LAYERS=40
+  # GPU_MEM (0.85): vLLM's gpu_memory_utilization; the 40-layer bf16 weights take about 65 GiB, so an H100 (79 GiB)
+  # needs about 0.93 for the drafter, GDN states, KV and graphs beside them
   FS=/tmp/full-shape-$LAYERS
   [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers $LAYERS --block-size 16 > "$R/shape.log" 2>&1
   # graphs only at the sizes the rows use: 1 and 4 requests of 1 token (plain, drafting off) or 16 (K + 1)
   SENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}'
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
-     --max-num-seqs 4 --gpu-mem 0.85 --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
+     --max-num-seqs 4 --gpu-mem "${GPU_MEM:-0.85}" --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
   DC=''; [ "${COMPILE:-0}" = 1 ] && DC='"drafter_compile": true,'  # COMPILE=1: the drafter's layers through torch.compile
   [ "${FUSED_NORMS:-1}" = 0 ] && DC="$DC \"drafter_fused_norms\": false,"  # FUSED_NORMS=0: torch's RMS norms
