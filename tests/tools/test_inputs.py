@@ -496,13 +496,18 @@ def test_input_files_of_spec_steps_table(tmp_path):
     # the saved H200 results pass and make the table the function makes of them
     rounds = tmp_path / "rounds.json"
     rounds.write_text('{"rows": [{"B": 1, "round_grouped_ms": 1.58}, {"B": 4, "round_grouped_ms": 1.7}]}')
+    # they were written before spec-steps recorded precision and device: the table needs them named
+    assert refusal("--ours", ours, "--plain", plain, "--gpu", "NVIDIA H200") == (
+        "precision is not recorded in every input: name it with --precision")
     result = invoke("spec-steps-table", "--ours", ours, "--plain", plain, "--vllm", vllm, "--shape", "s",
-                    "--command", "c", "--layers", "12", "--draft-round", rounds, "--out", out)
+                    "--command", "c", "--layers", "12", "--draft-round", rounds, "--precision", "bfloat16",
+                    "--gpu", "NVIDIA H200", "--out", out)
     assert result.exit_code == 0, result.output
     from vllm_hybridspec.tools.spec_steps import spec_steps_table
 
     runs = [json.loads(p.read_text()) for p in (ours, plain, vllm, rounds)]
-    assert json.loads(out.read_text()) == spec_steps_table(runs[0], runs[1], [runs[2]], "s", "c", 12, runs[3])
+    assert json.loads(out.read_text()) == spec_steps_table(runs[0], runs[1], [runs[2]], "s", "c", 12, runs[3],
+                                                           "bfloat16", "NVIDIA H200")
     assert json.loads(out.read_text())["drafter_round_ms"] == {"1": 1.58, "4": 1.7}
 
 
@@ -515,7 +520,8 @@ def test_a_spec_steps_table_that_fails_to_write_keeps_the_earlier_file(tmp_path,
     out.write_text('{"rows": []}\n')
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(28, "No space left")))
     result = invoke("spec-steps-table", "--ours", SAVED_STEPS / "ours_full.json", "--plain",
-                    SAVED_STEPS / "plain.json", "--shape", "s", "--command", "c", "--out", out)
+                    SAVED_STEPS / "plain.json", "--shape", "s", "--command", "c", "--precision", "bfloat16",
+                    "--gpu", "NVIDIA H200", "--out", out)
     assert result.exit_code == 1 and isinstance(result.exception, OSError)
     assert out.read_text() == '{"rows": []}\n'
     assert [p.name for p in tmp_path.iterdir()] == ["table.json"]

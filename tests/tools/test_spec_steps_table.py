@@ -3,7 +3,11 @@ from the selector's, each with vLLM's verify-all step at the same length where i
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_hybridspec.tools.spec_steps import spec_steps_table
+
+ID = {"precision": "bfloat16", "gpu": "NVIDIA H100 80GB HBM3"}  # inputs written before they recorded either
 
 
 def row(b, w, ms, mode="FULL", **extra):
@@ -15,7 +19,7 @@ def test_the_table_keeps_the_untrimmed_row_apart_and_matches_vllm_by_length():
                      row(4, 16, 12.6, mode="PIECEWISE")]}
     plain = {"rows": [{"B": 1, "ms": 3.3}, {"B": 4, "ms": 3.6}]}
     vllm15 = {"speculative_config": {"num_speculative_tokens": 15}, "rows": [row(1, 16, 7.0, mode="PIECEWISE")]}
-    table = spec_steps_table(ours, plain, [vllm15], "slice", "cmd")
+    table = spec_steps_table(ours, plain, [vllm15], "slice", "cmd", **ID)
     assert table["plain_ms"] == {"1": 3.3, "4": 3.6}
     by = {(r["B"], r["w"], r["trimmed"]): r for r in table["rows"]}
     assert set(by) == {(1, 1, True), (1, 8, True), (1, 16, True), (1, 16, False), (4, 16, True)}
@@ -31,14 +35,14 @@ def test_rows_of_each_draft_kind_stay_apart_and_meet_vllm_of_the_same_kind():
     ours = {"rows": [row(4, 16, 5.0, drafts="model"), row(4, 16, 8.1, drafts="spread"), row(4, 2, 5.2, drafts="spread")]}
     vllm15 = {"speculative_config": {"num_speculative_tokens": 15},
               "rows": [row(4, 16, 5.8, drafts="model"), row(4, 16, 8.5, drafts="spread")]}
-    table = spec_steps_table(ours, {"rows": [{"B": 4, "ms": 2.1}]}, [vllm15], "slice", "cmd")
+    table = spec_steps_table(ours, {"rows": [{"B": 4, "ms": 2.1}]}, [vllm15], "slice", "cmd", **ID)
     by = {(r["B"], r["w"], r["drafts"]): r for r in table["rows"]}
     assert set(by) == {(4, 16, "model"), (4, 16, "spread"), (4, 2, "spread")}
     assert by[(4, 16, "model")]["ours_ms"] == 5.0 and by[(4, 16, "model")]["vllm_ms"] == 5.8
     assert by[(4, 16, "spread")]["ours_ms"] == 8.1 and by[(4, 16, "spread")]["vllm_ms"] == 8.5
     assert by[(4, 2, "spread")]["vllm_ms"] is None
     # a result written before --drafts (no "drafts" key) reads as the drafter's own tokens
-    old = spec_steps_table({"rows": [row(1, 16, 4.4)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [vllm15], "s", "c")
+    old = spec_steps_table({"rows": [row(1, 16, 4.4)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [vllm15], "s", "c", **ID)
     assert old["rows"][0]["drafts"] == "model" and old["rows"][0]["vllm_ms"] is None
 
 
@@ -46,7 +50,7 @@ def test_the_table_reads_each_rows_median_where_it_has_one():
     """A capture spike moves a row's mean, not its median: the table takes the median."""
     ours = {"rows": [row(1, 4, 5.14, median_ms=4.59), row(1, 16, 4.46)]}
     plain = {"rows": [{"B": 1, "ms": 2.90, "median_ms": 2.88}]}
-    table = spec_steps_table(ours, plain, [], "s", "c")
+    table = spec_steps_table(ours, plain, [], "s", "c", **ID)
     assert table["plain_ms"] == {"1": 2.88}
     assert [r["ours_ms"] for r in table["rows"]] == [4.59, 4.46]
 
@@ -61,10 +65,30 @@ def test_the_table_records_the_layers_and_the_default_drafter_round_per_batch_si
     rounds = {"rows": [{"B": b, "round_grouped_ms": ms, "round_fused_ms": ms + 1.0, "round_compiled_ms": ms / 2}
                        for b, ms in grouped.items()]}
     table = spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c",
-                             layers=40, draft_round=rounds)
+                             layers=40, draft_round=rounds, **ID)
     assert table["layers"] == 40
     assert table["drafter_round_ms"] == {str(b): ms for b, ms in grouped.items()}
     assert list(table)[-1] == "rows"
     # without them the table has neither key (a slice table written before them reads the same)
-    bare = spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c")
+    bare = spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c", **ID)
     assert "layers" not in bare and "drafter_round_ms" not in bare
+
+
+def test_the_table_names_one_precision_and_gpu_and_refuses_inputs_that_mix_them():
+    """``spec-steps`` records ``precision`` and ``device``; the table takes them from the inputs, where all
+    agree, and refuses a table over runs of two precisions or two GPUs (and one with neither recorded nor named)."""
+    def run(precision, device, **extra):
+        return {"precision": precision, "device": device, **extra}
+
+    spec = {"speculative_config": {"num_speculative_tokens": 15}}
+    ours, plain = run("fp8", "NVIDIA H100", rows=[row(1, 4, 5.0)]), run("fp8", "NVIDIA H100", rows=[{"B": 1, "ms": 2.0}])
+    table = spec_steps_table(ours, plain, [run("fp8", "NVIDIA H100", **spec, rows=[row(1, 16, 7.0)])], "s", "c")
+    assert (table["precision"], table["gpu"]) == ("fp8", "NVIDIA H100")
+    with pytest.raises(ValueError, match="differ in precision: bfloat16, fp8"):
+        spec_steps_table(ours, run("bfloat16", "NVIDIA H100", rows=[{"B": 1, "ms": 2.0}]), [], "s", "c")
+    with pytest.raises(ValueError, match="differ in gpu: NVIDIA H100, NVIDIA H200"):
+        spec_steps_table(ours, plain, [run("fp8", "NVIDIA H200", **spec, rows=[row(1, 16, 7.0)])], "s", "c")
+    with pytest.raises(ValueError, match="differ in precision: bfloat16, fp8"):
+        spec_steps_table(ours, plain, [], "s", "c", precision="bfloat16")
+    with pytest.raises(ValueError, match="precision is not recorded in every input: name it with --precision"):
+        spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c")

@@ -106,6 +106,36 @@ def time_steps(llm, prompts: list[dict], batch: int, steps: int, warmup: int, ta
 DRAFT_KINDS = ("model", "spread")
 
 
+def device_name() -> str:
+    """The accelerator the engine ran on (``torch.cuda.get_device_name``), or ``cpu: <model name>``."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"cpu: {model or platform.processor() or 'unknown'}"
+
+
+def precision_of(model_config) -> str:
+    """A run's precision as results name it: the weights' quantization where there is one (``fp8``), else
+    the model's dtype (``bfloat16``, ``float32``)."""
+    quantization = getattr(model_config, "quantization", None)
+    return str(quantization) if quantization else str(model_config.dtype).removeprefix("torch.")
+
+
+def memory_facts(runner) -> dict:
+    """The model's weights in GiB as vLLM's runner measured them at load (target and drafter together,
+    ``model_memory_usage``; absent on runners that do not measure it)."""
+    used = getattr(runner, "model_memory_usage", None)
+    return {} if not used else {"weights_gib": round(used / 2**30, 2)}
+
+
 def measure(engine: EngineOptions, speculative_config: dict | None, lengths: list[int], batch_sizes: list[int],
             prompts: list[dict], steps: int, warmup: int, progress=print, untrimmed: bool = False,
             drafts: tuple[str, ...] = ("model",)) -> dict:
@@ -128,11 +158,15 @@ def measure(engine: EngineOptions, speculative_config: dict | None, lengths: lis
         spec = {**speculative_config, "hybridspec": {**options, "fixed_length": k + 1}}
     t0 = time.perf_counter()
     llm = LLM(**engine.llm_kwargs(speculative_config=spec, max_num_seqs=max(max(batch_sizes), engine.max_num_seqs or 1)))
-    result = {"model": engine.model, "speculative_config": spec, "engine": engine.llm_kwargs(),
-              "engine_start_s": round(time.perf_counter() - t0, 1), "kv_capacity_tokens": kv_capacity_tokens(llm),
-              "rows": []}
-    progress(f"engine started in {result['engine_start_s']} s, KV capacity {result['kv_capacity_tokens']} tokens")
+    start_s = round(time.perf_counter() - t0, 1)
     runner = in_process_runner(llm)
+    result = {"model": engine.model, "speculative_config": spec, "engine": engine.llm_kwargs(),
+              "device": device_name(), "precision": precision_of(llm.llm_engine.model_config),
+              "engine_start_s": start_s, "kv_capacity_tokens": kv_capacity_tokens(llm), **memory_facts(runner),
+              "rows": []}
+    progress(f"engine started in {start_s} s on {result['device']}, {result['precision']}, KV capacity "
+             f"{result['kv_capacity_tokens']} tokens" + (f", weights {result['weights_gib']} GiB"
+                                                         if "weights_gib" in result else ""))
     selector = selector_of(runner) if spec is not None else None
     if spec is not None and selector is None:
         raise RuntimeError("the engine's drafter has no hybridspec length selector")
@@ -265,8 +299,28 @@ def read_steps(path: Path, option: str) -> dict:
     return data
 
 
+def run_identity(runs: list[dict], precision: str | None = None, gpu: str | None = None) -> dict:
+    """``precision`` and ``gpu`` of a table: what its inputs record (``spec-steps`` writes ``precision`` and
+    ``device``), which must be one value across them (a table compares runs of one precision on one GPU);
+    ``precision``/``gpu`` name them for inputs that record none and must agree with those that do.
+    ``ValueError`` naming the field and the values otherwise."""
+    out = {}
+    for field, key, given in (("precision", "precision", precision), ("gpu", "device", gpu)):
+        seen = {r[key] for r in runs if r.get(key) is not None}
+        if given is not None:
+            seen.add(given)
+        if len(seen) > 1:
+            raise ValueError(f"the inputs differ in {field}: {', '.join(sorted(seen))} (one table compares runs of "
+                             f"one {field})")
+        if not seen or any(r.get(key) is None for r in runs) and given is None:
+            raise ValueError(f"{field} is not recorded in every input: name it with --{field}")
+        out[field] = seen.pop()
+    return out
+
+
 def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str, command: str,
-                     layers: int | None = None, draft_round: dict | None = None) -> dict:
+                     layers: int | None = None, draft_round: dict | None = None, precision: str | None = None,
+                     gpu: str | None = None) -> dict:
     """``docs/benchmarks/spec_steps.json``: one row per (B, w, drafts) of ``ours``, with vLLM's full-graph
     step at the same length and with the same kind of drafts (``spec-steps --drafts``) where one of
     ``vllm_runs`` (engines verifying all ``K + 1``) has it. A row's figure is its median step (the mean
@@ -288,7 +342,8 @@ def spec_steps_table(ours: dict, plain: dict, vllm_runs: list[dict], shape: str,
         rows.append({"B": r["B"], "w": r["w"], "trimmed": r.get("trimmed", True), "drafts": drafts, "ours_ms": _ms(r),
                      "ours_mode": _mode(r), "vllm_ms": None if v is None else v[0],
                      "vllm_mode": None if v is None else v[1]})
-    table = {"shape": shape, "command": command, "plain_ms": plain_ms}
+    table = {"shape": shape, "command": command, **run_identity([ours, plain, *vllm_runs], precision, gpu),
+             "plain_ms": plain_ms}
     if layers is not None:
         table["layers"] = layers
     if draft_round is not None:
@@ -339,6 +394,9 @@ def spec_steps_table_command(
     draft_round: Path | None = typer.Option(
         None, help="a `hybridspec kernels draft-round --json` result of the same drafter: its default round per "
         "batch size becomes drafter_round_ms"),
+    precision: str | None = typer.Option(None, help="the runs' precision (bfloat16, fp8, ...) where the inputs do not "
+                                         "record it; must agree with those that do"),
+    gpu: str | None = typer.Option(None, help="the GPU the runs were measured on, where the inputs do not record it"),
     out: Path = typer.Option(..., help="the table JSON to write"),
 ) -> None:
     """Merge spec-steps results into the spec-step table (``docs/benchmarks/spec_steps.json``)."""
@@ -358,6 +416,9 @@ def spec_steps_table_command(
             raise typer.BadParameter(str(e)) from None
         except ValidationError as e:
             raise typer.BadParameter(str(describe(e, f"--draft-round '{draft_round}'", DraftRoundResult))) from None
-    table = spec_steps_table(ours_run, plain_run, vllm_runs, shape, command, layers, rounds)
+    try:
+        table = spec_steps_table(ours_run, plain_run, vllm_runs, shape, command, layers, rounds, precision, gpu)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     write_text_atomic(out, json.dumps(table, indent=1) + "\n")
     typer.echo(f"wrote {out}")
