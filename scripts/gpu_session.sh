@@ -68,6 +68,14 @@ pack() {  # the results, then the compile caches in parts of 15 MiB (at most 6: 
 trap pack EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 ENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+# PRECISION (bf16): the 35B-shape stages' weights, bf16 or fp8 (vLLM's quantization="fp8", the form this model class
+# is served in on H100s, where the bf16 weights leave room for few requests); every engine of a stage runs it
+case "${PRECISION:=bf16}" in
+  bf16) QJ=''; QARG='' ;;
+  fp8) QJ='"quantization": "fp8", '; QARG='--quantization fp8' ;;
+  *) echo "PRECISION=$PRECISION: bf16 or fp8"; exit 2 ;;
+esac
+echo "precision $PRECISION"
 
 case "$STAGE" in
 draftround)
@@ -158,7 +166,7 @@ slice|full35)
   FS=/tmp/full-shape-$LAYERS
   [ -d $FS ] || python3 -m vllm_hybridspec.cli full-shape --out $FS --layers $LAYERS --block-size 16 > "$R/shape.log" 2>&1
   # graphs only at the sizes the rows use: 1 and 4 requests of 1 token (plain, drafting off) or 16 (K + 1)
-  SENG='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}'
+  SENG='{'"$QJ"'"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}}'
   S=(--model $FS/target --load-format dummy --random-prompts --vocab 200000 --prompt-len 128 --max-model-len 2048
      --max-num-seqs 4 --gpu-mem "${GPU_MEM:-0.85}" --engine-args "$SENG" --batch-sizes 1,4 --steps 48 --warmup 8)
   H15="\"method\": \"hspec\", \"model\": \"$FS/hspec\", \"num_speculative_tokens\": 15"
@@ -287,10 +295,10 @@ headline-record|headline-costs|headline-ours|headline-plain|headline-vllm)
   [ -n "${RECORDS:-}" ] && [ ! -f "$HD/records.jsonl.gz" ] && cp "$RECORDS" "$HD/records.jsonl.gz"  # rehearsal: D = K records
   [ -f "$HD/records.jsonl.gz" ] || $PY -m vllm_hybridspec.cli calibrate synth --profile paper-dflash-qwen3.6 --rounds 20000 \
     --out "$HD/records.jsonl.gz" --summary-out "$HD/profile.json" > "$R/synth.log" 2>&1
-  ENGJ='{"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
+  ENGJ='{'"$QJ"'"mamba_ssm_cache_dtype": "float32", "additional_config": {"gdn_prefill_backend": "triton"}}'
   [ -n "${ENGINE_ARGS:-}" ] && ENGJ="$ENGINE_ARGS"
   REPLAY="\"method\": \"replay_bench\", \"model\": \"$HSPEC\", \"num_speculative_tokens\": $K, \"replay_bench\": {\"records\": \"$HD/records.jsonl.gz\", \"continuations\": \"$HD/cont.jsonl\", \"seed\": 0}"
-  SERVE="$PY -m vllm.entrypoints.openai.api_server --model $TARGET $LOAD --dtype $DTYPE --skip-tokenizer-init --port 8000 --max-model-len 2048 --mamba-ssm-cache-dtype float32 ${SERVE_EXTRA---additional-config '{\"gdn_prefill_backend\": \"triton\"}' --gpu-memory-utilization 0.9}"
+  SERVE="$PY -m vllm.entrypoints.openai.api_server --model $TARGET $LOAD --dtype $DTYPE --skip-tokenizer-init --port 8000 --max-model-len 2048 --mamba-ssm-cache-dtype float32 $QARG ${SERVE_EXTRA---additional-config '{\"gdn_prefill_backend\": \"triton\"}' --gpu-memory-utilization 0.9}"
   BENCH=($PY -m vllm_hybridspec.cli bench --prompts "$HD/prompts.jsonl" --output-len 128 --repeats "${REPEATS:-3}"
          --concurrency "${LEVELS:-1,4}" --no-progress)
   case "$STAGE" in
