@@ -86,7 +86,10 @@ def test_spec_steps_times_each_step_and_counts_the_drafting_rounds(tmp_path):
                       "--batch-sizes", "2", "--steps", "5", "--warmup", "2", "--untrimmed", "--drafts", "model,spread",
                       "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    every_row = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    # the run names what it ran on and in which precision (ENGINE's dtype), which spec-steps-table checks
+    assert result["device"].startswith("cpu: ") and result["precision"] == ENGINE[ENGINE.index("--dtype") + 1]
+    every_row = result["rows"]
     assert [r["drafts"] for r in every_row] == ["model"] * 3 + ["spread"] * 3
     all_rows = [r for r in every_row if r["drafts"] == "model"]
     rows = {r["w"]: r for r in all_rows if r.get("trimmed", True)}
