@@ -29,7 +29,8 @@ def result(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-def _variant(result: dict, tok_s: dict[int, float], host: str = "h200-a", kv: int | None = None) -> dict:
+def _variant(result: dict, tok_s: dict[int, float], host: str = "h200-a", kv: int | None = None,
+             gpu: str = "NVIDIA H100 80GB HBM3", serve: str = "vllm serve m --dtype bfloat16") -> dict:
     """``result`` with each level's tokens/s (and its runs' spread, scaled alike) set to ``tok_s[C]``."""
     doc = copy.deepcopy(result)
     for lv in doc["levels"]:
@@ -37,7 +38,7 @@ def _variant(result: dict, tok_s: dict[int, float], host: str = "h200-a", kv: in
         lv["output_throughput"] = tok_s[lv["concurrency"]]
         s = lv["output_throughput_spread"]
         s.update(min=s["min"] * scale, max=s["max"] * scale, repeats=[r * scale for r in s["repeats"]])
-    doc["config"]["host"] = host
+    doc["config"].update(host=host, gpu=gpu, serve=serve)
     if kv is not None:
         doc["config"]["server"] = {"kv_capacity_tokens": kv, "startup_s": 120.0, "log": "x.server.log"}
     return doc
@@ -82,6 +83,24 @@ def test_ratios_bars_and_kv_from_the_results(result, tmp_path):
         assert t["every_c_over_plain"]["met"] == (worst >= BARS["every_c_over_plain"])
         assert head["kv_tokens"] == {"plain": 1_267_712, "ours": 1_260_339, "vllm": 233_393}
         assert head["same_machine"] and not head["notes"]
+        assert (head["precision"], head["gpu"]) == ("bfloat16", "NVIDIA H100 80GB HBM3")
+
+
+def test_one_precision_and_gpu_named_and_a_mix_noted(result, tmp_path):
+    """headline.json names the precision every server ran in (``--quantization``, else ``--dtype``) and the GPU
+    every run recorded; results that differ in either give no single value and a note naming each."""
+    rng = random.Random(5)
+    tok = {c: rng.uniform(50, 500) for c in (1, 2, 4)}
+    fp8 = "vllm serve m --dtype bfloat16 --quantization fp8"
+    files = {"plain": _write(tmp_path, "p.json", _variant(result, tok, serve=fp8)),
+             "hybridspec": _write(tmp_path, "h.json", _variant(result, tok, serve=fp8))}
+    head = build_headline(files, "s", "p", 15, "c")
+    assert (head["precision"], head["gpu"]) == ("fp8", "NVIDIA H100 80GB HBM3") and not head["notes"]
+    files["hybridspec"] = _write(tmp_path, "h.json", _variant(result, tok, gpu="NVIDIA H200"))
+    head = build_headline(files, "s", "p", 15, "c")
+    assert head["precision"] is None and head["gpu"] is None
+    assert "the results do not all name one precision: plain fp8, hybridspec bfloat16" in head["notes"]
+    assert "the results do not all name one gpu: plain NVIDIA H100 80GB HBM3, hybridspec NVIDIA H200" in head["notes"]
 
 
 def test_bars_met_and_missed(result, tmp_path):

@@ -144,10 +144,32 @@ def _one_line_errors(command: str, current):
         _fail(f"interrupted{'; partial results in ' + str(out) if out.exists() else ''}", 130, command)
 
 
+def accelerator_name() -> str:
+    """The machine's GPU as ``nvidia-smi`` names it (the first), or ``cpu: <model name>`` without one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=30).stdout.split("\n")
+            if names[0].strip():
+                return names[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"cpu: {model or platform.processor() or 'unknown'}"
+
+
 def run_stamp() -> dict:
     """Where and when a run was made (``hybridspec headline`` checks that the ratios it gives come from one
-    machine): the host name and the UTC start time."""
-    return {"host": platform.node(), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    machine): the host name, its GPU and the UTC start time."""
+    return {"host": platform.node(), "gpu": accelerator_name(),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
 def _managed_server(stack: ExitStack, serve: str | None, base_url: str, out: Path, timeout: float,

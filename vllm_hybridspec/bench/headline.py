@@ -39,6 +39,26 @@ def _level_map(doc: dict) -> dict[int, dict]:
     return {lv["concurrency"]: lv for lv in doc["levels"]}
 
 
+def serve_precision(serve: str | None) -> str | None:
+    """The precision a ``--serve`` command ran its model in: ``--quantization``'s value where it has one
+    (``fp8``), else ``--dtype``'s (``bfloat16``; ``auto`` where not given); ``None`` without a command."""
+    import shlex
+
+    if not serve:
+        return None
+    args = shlex.split(serve)
+
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(args):
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    return value("--quantization") or value("--dtype") or "auto"
+
+
 def _ratio(a, b):
     return None if a is None or b is None or b == 0 else round(a / b, 4)
 
@@ -72,11 +92,17 @@ def build_headline(files: dict[str, str], shape: str, profile: str, draft_len: i
         found = [docs[k]["config"].get("server", {}).get("kv_capacity_tokens") for k in sources if k in docs]
         kv[name] = next((n for n in found if n is not None), None)
     hosts = {key: doc["config"].get("host") for key, doc in docs.items()}
+    gpus = {key: doc["config"].get("gpu") for key, doc in docs.items()}
+    precisions = {key: serve_precision(doc["config"].get("serve")) for key, doc in docs.items()}
     notes = [f"{key}: {doc['status']}: {doc.get('error')}" for key, doc in docs.items() if doc.get("status") != "ok"]
     notes += [f"{key}: {n}" for key, doc in docs.items() for n in doc.get("merge_notes", [])]
     if len(set(hosts.values())) > 1 or None in hosts.values():
         notes.append("the results do not all come from one machine (config.host): "
                      + ", ".join(f"{k} {h}" for k, h in hosts.items()))
+    for what, values in (("precision", precisions), ("gpu", gpus)):
+        if len(set(values.values())) > 1 or None in values.values():
+            notes.append(f"the results do not all name one {what}: "
+                         + ", ".join(f"{k} {v}" for k, v in values.items()))
     verify_all = levels_of.get("ours_verify_all", {})
     first = verify_all.get(1) or (verify_all[min(verify_all)] if verify_all else None)
     over_plain = {c: ratios[str(c)]["hybridspec_over_plain"] for c in concurrencies}
@@ -87,7 +113,8 @@ def build_headline(files: dict[str, str], shape: str, profile: str, draft_len: i
         "every_c_over_plain": _target(min((r for r in over_plain.values() if r is not None), default=None),
                                       BARS["every_c_over_plain"]),
     }
-    return {"shape": shape, "profile": profile, "D": draft_len,
+    one = lambda values: next(iter(set(values.values()))) if len(set(values.values())) == 1 else None  # noqa: E731
+    return {"shape": shape, "profile": profile, "D": draft_len, "precision": one(precisions), "gpu": one(gpus),
             "mean_accepted_verify_all": None if first is None else first.get("mean_acceptance_length"),
             "levels": levels, "kv_tokens": kv, "command": command,
             "ratios": ratios, "spread": spread, "acceptance_length": acceptance, "targets": targets,
@@ -118,7 +145,8 @@ def markdown(head: dict) -> str:
         lines.append(f"| {c} | {' | '.join(cells)} | {_cell(r.get('hybridspec_over_plain'), '.3f')}x | "
                      f"{_cell(r.get('hybridspec_over_vllm_verify_all'), '.3f')}x |")
     t = head["targets"]
-    lines += ["", f"Output tokens/s (the repeats' min-max in brackets). Verify-all acceptance length "
+    lines += ["", f"Output tokens/s (the repeats' min-max in brackets), {head.get('precision') or 'mixed precisions'} on "
+              f"{head.get('gpu') or 'more than one GPU'}. Verify-all acceptance length "
               f"{_cell(head['mean_accepted_verify_all'], '.2f')}; KV capacity in tokens: "
               + ", ".join(f"{k} {v:,}" if v is not None else f"{k} –" for k, v in head["kv_tokens"].items()) + "."]
     lines += [f"- {name}: {_cell(v['value'], '.3f')} against {v['bar']} ({'met' if v['met'] else 'missed' if v['met'] is False else 'not measured'})"
