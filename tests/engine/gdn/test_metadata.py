@@ -189,8 +189,8 @@ def _repeat_counts(seed: int, full: bool, builders=OneSlotGDNMetadataBuilder):
     ours = _builders(builders, 3, k, seqs, full, f"ours-repeat-{seed}-{full}")
     cm, tables, accepted, counts = _batch(rng, k, seqs, "spec")
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
-    later = accepted.clone()
-    while torch.equal(later[: cm.num_reqs], accepted[: cm.num_reqs]):
+    later, spec = accepted.clone(), counts >= 0  # the metadata holds the spec rows' counts (padding rows: 1)
+    while torch.equal(later[spec], accepted[spec]):
         later = torch.randint(1, k + 2, accepted.shape, dtype=torch.int32, generator=gen)
     diffs = []
     for step, step_accepted in enumerate([accepted, later]):
