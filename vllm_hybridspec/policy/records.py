@@ -40,6 +40,10 @@ from tqdm import tqdm
 
 from .errors import InputError, describe
 from .files import atomic_path, not_text
+from .ranges import MAX_COUNT, MAX_EXPERTS_PER_TOKEN, MAX_LENGTH, MAX_NEW_EXPERTS, MAX_TOKENS
+
+# an entropy in nats: at most log(V), and log(2**40) bounds every vocabulary
+MAX_ENTROPY = 40 * math.log(2)
 
 
 class RoundRecord(BaseModel):
@@ -47,15 +51,15 @@ class RoundRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    conf: list[float] = Field(min_length=1)
+    conf: list[float] = Field(min_length=1, max_length=MAX_LENGTH - 1)
     ent: list[float] = Field(min_length=1)
     accepted: int = Field(ge=0)
     truncated: bool = False
     n_new_l0: list[int] | None = None
     n_new_later: list[int] | None = None
-    remaining: int | None = Field(default=None, ge=1)
+    remaining: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     p_true: list[float] | None = None
-    request: int | None = None
+    request: int | None = Field(default=None, ge=0, le=MAX_COUNT)
 
     @field_validator("conf", "p_true")
     @classmethod
@@ -69,16 +73,19 @@ class RoundRecord(BaseModel):
     @classmethod
     def _entropies(cls, v: list[float]) -> list[float]:
         for i, x in enumerate(v):
-            if not (math.isfinite(x) and x >= 0.0):
-                raise ValueError(f"entry {i} is {x!r}; entropies must be finite and >= 0")
+            if not (math.isfinite(x) and 0.0 <= x <= MAX_ENTROPY):
+                raise ValueError(f"entry {i} is {x!r}; entropies must lie in 0..{MAX_ENTROPY:g} nats "
+                                 f"(log of a vocabulary of 2**40 tokens)")
         return v
 
     @field_validator("n_new_l0", "n_new_later")
     @classmethod
-    def _counts(cls, v: list[int] | None) -> list[int] | None:
+    def _counts(cls, v: list[int] | None, info) -> list[int] | None:
+        high = MAX_EXPERTS_PER_TOKEN if info.field_name == "n_new_l0" else MAX_NEW_EXPERTS
         for i, x in enumerate(v or ()):
-            if x < 0:
-                raise ValueError(f"entry {i} is {x}; expert counts must be >= 0")
+            if not 0 <= x <= high:
+                raise ValueError(f"entry {i} is {x}; expert counts must lie in 0..{high:,} (new experts one "
+                                 f"draft token adds: its top-k {'at Layer 0' if high == MAX_EXPERTS_PER_TOKEN else 'in every later layer'})")
         return v
 
     @model_validator(mode="after")
