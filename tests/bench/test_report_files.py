@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 from typer.testing import CliRunner
 
+from vllm_hybridspec.bench import schema
 from vllm_hybridspec.bench.loadgen import BenchConfig, run_bench
 from vllm_hybridspec.cli import app
 
+from ..seeds import fresh_seed
 from .stub import StubServer
 
 
@@ -127,3 +130,49 @@ def test_a_missing_file_or_an_empty_merge_entry_is_refused(tmp_path):
     run, out_dir = _report(tmp_path, f"all={tmp_path / 'a.json'},")
     assert run.exit_code == 2 and "expected LABEL=PATH[,PATH...]" in run.stderr
     assert not out_dir.exists()
+
+
+def _redraw(rng: random.Random, value, spec, p: float):
+    """``value`` with each leaf redrawn, with probability ``p``, from the ends of the ranges of
+    ``bench/schema.py`` and values inside them that its own check accepts (a file inside the model)."""
+    if isinstance(spec, schema._Object):
+        if not isinstance(value, dict):
+            return value
+        specs = {**spec.required, **spec.optional}
+        return {k: _redraw(rng, v, specs[k], p) if k in specs else v for k, v in value.items()}
+    if isinstance(spec, schema._List):
+        return [_redraw(rng, v, spec.item, p) for v in value] if isinstance(value, list) else value
+    if rng.random() >= p:
+        return value
+    pool = [v for v in POOL if spec.accepts(v)]
+    return rng.choice(pool) if pool else value
+
+
+POOL = [None, 0, 1, 2, 7, 0.0, 1e-9, 0.5, 1.0, 1.5, 3.7, 1024.0, 1024, schema.MAX_S, schema.MAX_PER_S,
+        schema.MAX_COUNT, schema.MAX_BATCH, "ok", ""]
+
+
+def test_every_result_the_schema_accepts_is_answered(result, tmp_path):
+    """``report`` and ``headline`` given results inside the schema (numbers and nulls redrawn from its
+    ranges' ends and values inside them): exit 0, or exit 2 with one line; never a traceback."""
+    rng = random.Random(fresh_seed("bench_results_inside_the_schema"))
+    kept = 0
+    for i in range(30):
+        doc = _redraw(rng, copy.deepcopy(result), schema._RESULT, rng.choice([1, 2, 4]) / 40)
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(doc))
+        try:
+            schema.load_result_json(path)
+        except schema.InvalidResult:
+            continue
+        kept += 1
+        for args in (["report", str(path), "--out-dir", str(tmp_path / f"report{i}")],
+                     ["headline", "--shape", "s", "--profile", "p", "--command", "c", "--plain", str(path),
+                      "--hybridspec", str(path), "-o", str(tmp_path / f"h{i}" / "headline.json"),
+                      "--plot", str(tmp_path / f"h{i}" / "headline.png")]):
+            run = CliRunner().invoke(app, args)
+            assert run.exit_code in (0, 2), (args[0], doc, run.output, run.exc_info)
+            if run.exit_code == 2:
+                assert len(run.output.strip().splitlines()) == 1, (args[0], run.output)
+    print(f"{kept} of 30 results inside the schema answered")
+    assert kept >= 10, kept
