@@ -32,7 +32,8 @@ speculation's tokens per ms over plain decoding's (``rho_B * plain_ms_B / B``). 
 requests drafts when the predicted speedup at ``B`` is above 1 (:meth:`Policy.predicted_speedup`:
 interpolated between calibrated sizes, and beyond the largest one never above what it was there nor
 above that value scaled by ``B_max / B``, as if speculation's throughput stopped growing with the batch
-while plain decoding's grew in proportion). ``gate`` holds the same decisions at the calibrated sizes;
+while plain decoding's grew in proportion). Each prediction needs the ``batched`` costs at its size, and
+``gate`` holds the same decisions at the same sizes (a file where they disagree is refused: one source);
 a file with ``gate`` and no ``speedup`` (files without either load and never gate) takes, for ``B``
 requests, the entry of the largest calibrated batch size ``<= B``, drafting below the smallest one.
 
