@@ -17,6 +17,7 @@ import torch
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
 from .conftest import VOCAB, free_port, serve_command, server_env
+from ..seeds import fresh_seed
 
 HYBRIDSPEC = [sys.executable, "-m", "vllm_hybridspec.cli"]
 K, D, OUTPUT_LEN = 3, 5, 48
@@ -38,7 +39,7 @@ def save_hspec_drafter(target, out):
 
 @pytest.mark.timeout(900)
 def test_bench_measures_the_replayed_acceptance(tiny_target, token_prompts, tmp_path):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+    seed = fresh_seed("replay_server_bench_measures_the_replaye")
     rng = np.random.default_rng(seed)
     accepted = rng.choice(D + 1, size=300, p=[0.1, 0.1, 0.2, 0.2, 0.2, 0.2])
     save_records([RoundRecord(conf=rng.uniform(0, 1, D).tolist(), ent=rng.uniform(0, 2, D).tolist(),

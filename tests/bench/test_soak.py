@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from vllm_hybridspec.cli import app
 
 from .stub import KV_BLOCKS, Faults, StubServer
+from ..seeds import fresh_seed
 
 PROBES, PROBE_TOKENS = 3, 8
 ARGS = ["--duration", "2", "--concurrency", "4", "--disconnect-share", "0.3", "--disconnect-after", "3",
@@ -27,7 +28,7 @@ ARGS = ["--duration", "2", "--concurrency", "4", "--disconnect-share", "0.3", "-
 
 @pytest.fixture
 def prompts(tmp_path) -> list[list[int]]:
-    rng = random.Random()
+    rng = random.Random(fresh_seed("soak_prompts"))
     rows = [[rng.randrange(90) for _ in range(rng.randrange(3, 9))] for _ in range(8)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
     return rows

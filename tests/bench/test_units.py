@@ -135,7 +135,8 @@ def test_report_merges_the_sweeps_of_one_configuration(tmp_path):
 def test_a_cancelled_closed_loop_ends_even_if_a_request_swallows_the_cancellation():
     """Ctrl-C cancels the closed loop while its clients wait on requests whose HTTP layer turns the
     cancellation into an ordinary result (aiohttp's timeout can; a CI soak then ran on to its deadline).
-    The loop must end within a second, not at its deadline 30 s later, and start no new request."""
+    The loop must end when its in-flight requests return, not at its deadline 30 s later, and start no new
+    request."""
     import asyncio
 
     from vllm_hybridspec.bench.loadgen import closed_loop
@@ -156,21 +157,22 @@ def test_a_cancelled_closed_loop_ends_even_if_a_request_swallows_the_cancellatio
                                                  asyncio.Event(), lambda r: None, None, results))
         await asyncio.sleep(0.3)
         task.cancel()
-        began = time.monotonic()
+        at_cancel = len(sent)
+        # a loop that sends on after the cancel runs to its 30 s deadline: wait_for's timeout ends it here
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 5)
-        return time.monotonic() - began, len(sent), len(results)
+        return at_cancel, len(sent), len(results)
 
-    seconds, num_sent, num_results = asyncio.run(main())
-    print(f"ended {seconds:.3f} s after the cancel; {num_sent} requests sent, {num_results} results")
-    assert seconds < 1.0
-    assert num_sent == num_results  # every request sent was answered, none sent after the cancel
+    at_cancel, num_sent, num_results = asyncio.run(main())
+    print(f"{at_cancel} requests sent before the cancel, {num_sent} in all, {num_results} results")
+    assert num_sent == at_cancel  # none sent after the cancel
+    assert num_sent == num_results  # every request sent was answered
 
 
 def test_the_kv_sampler_stops_even_if_a_scrape_swallows_the_cancellation(monkeypatch):
     """``KVUsageSampler.stop`` cancels its loop while a scrape is under way whose HTTP layer turns the
     cancellation into no answer (aiohttp's timeout can; a soak given Ctrl-C would then hang in ``stop``).
-    It must return within a second, not scrape on."""
+    It must return, not scrape on."""
     import asyncio
 
     from vllm_hybridspec.bench import metrics
@@ -194,17 +196,16 @@ def test_the_kv_sampler_stops_even_if_a_scrape_swallows_the_cancellation(monkeyp
         sampler = metrics.KVUsageSampler(None, "http://stub", interval=0.01)
         sampler.start()
         await asyncio.sleep(0.5)
-        began = time.monotonic()
         stop = asyncio.ensure_future(sampler.stop())
-        await asyncio.wait({stop}, timeout=2)
+        await asyncio.wait({stop}, timeout=2)  # a liveness bound: a working stop returns at its next await
         ended, stuck = time.monotonic(), not stop.done()
         while not stop.done():  # a sampler that ignores its stop: cancel until one lands between scrapes
             sampler._task.cancel()
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # a loop still running would scrape again meanwhile
-        return stuck, ended - began, stop.result(), [t for t in scrapes if t > ended]
+        return stuck, stop.result(), [t for t in scrapes if t > ended]
 
-    stuck, seconds, kv, later = asyncio.run(main())
+    stuck, kv, later = asyncio.run(main())
     assert not stuck, "KVUsageSampler.stop did not return within 2 s of a cancellation the scrape swallowed"
-    assert seconds < 1.0 and later == []
+    assert later == []  # no scrape after the stop returned
     assert kv["num_samples"] >= 1 and kv["mean"] == 0.5

@@ -43,8 +43,9 @@ def test_rope_matches_the_targets(family):
         rotary, rope = Qwen3NextRotaryEmbedding, qwen3_next_rope
     g = AttentionGeometry.of(config)
     assert (family == "qwen3_next") == (g.partial_rotary_factor == 0.25)
-    positions = torch.randint(0, 3000, (2, 9))
-    x = torch.randn(2, 3, 9, g.head_dim)
+    gen = torch.Generator().manual_seed(fresh_seed(f"attention_rope_{family}"))
+    positions = torch.randint(0, 3000, (2, 9), generator=gen)
+    x = torch.randn(2, 3, 9, g.head_dim, generator=gen)
     cos_t, sin_t = rotary(config)(x, positions)
     _, expected = rope(x, x, cos_t, sin_t)
     cos, sin = RotaryEmbedding(g.head_dim, g.rope_theta, g.partial_rotary_factor)(positions, x.dtype)

@@ -13,6 +13,7 @@ from vllm_hybridspec.drafter import DraftBlock, HSpecDraftModel, HSpecSpeculator
 from vllm_hybridspec.drafter.attention import anchored_block_mask, request_block_mask
 
 from .conftest import MASK, VOCAB, make_drafter, target_context
+from ..seeds import fresh_seed
 
 
 def requests(target, drafter, lengths, seed=0):
@@ -166,7 +167,8 @@ def test_registry_resolves_hspec_from_a_saved_config(tmp_path, drafter):
 
 
 def test_pruned_draft_vocabulary(tmp_path, target, target_dir):
-    keep = torch.tensor(sorted(torch.randperm(VOCAB - 1)[:40].tolist()))
+    gen = torch.Generator().manual_seed(fresh_seed("model_pruned_vocabulary"))
+    keep = torch.tensor(sorted(torch.randperm(VOCAB - 1, generator=gen)[:40].tolist()))
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[keep] = True
     d2t = keep - torch.arange(40)

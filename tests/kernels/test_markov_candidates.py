@@ -143,7 +143,7 @@ def test_candidate_columns_and_arguments():
     for k in range(1, K):
         want = logits[:, k - 1].topk(M, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(cand[:, 1 + (k - 1) * M:1 + k * M].sort(dim=-1).values, want)
-    w1, w2 = torch.randn(V, 16), torch.randn(V, 16)
+    w1, w2 = torch.randn(V, 16, generator=gen), torch.randn(V, 16, generator=gen)
     first = torch.full((0,), -1, dtype=torch.int32)
     empty = markov_heads(logits[:0], anchors[:0], w1, w2, candidates=M, first_unresolved=first)
     assert empty.tokens.shape == (0, K) and first.shape == (0,)

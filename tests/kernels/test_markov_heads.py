@@ -91,11 +91,11 @@ def test_the_check_catches_planted_head_bugs():
 
 
 def test_empty_batch_and_mismatched_weights():
-    logits = torch.randn(0, 3, 50)
+    logits = torch.zeros(0, 3, 50)
     out = markov_heads(logits, torch.zeros(0, dtype=torch.long))
     assert out.tokens.shape == (0, 3)
     with pytest.raises(ValueError, match="both Markov weights"):
-        markov_heads(torch.randn(1, 2, 50), torch.zeros(1, dtype=torch.long), torch.randn(50, 16), None)
+        markov_heads(torch.zeros(1, 2, 50), torch.zeros(1, dtype=torch.long), torch.zeros(50, 16), None)
     with pytest.raises(ValueError, match=r"w2 must be \[V=50, R=16\]"):
-        markov_heads(torch.randn(1, 2, 50), torch.zeros(1, dtype=torch.long), torch.randn(50, 16),
-                     torch.randn(40, 16))
+        markov_heads(torch.zeros(1, 2, 50), torch.zeros(1, dtype=torch.long), torch.zeros(50, 16),
+                     torch.zeros(40, 16))

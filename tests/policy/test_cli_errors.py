@@ -13,15 +13,13 @@ from vllm_hybridspec.cli import app
 from vllm_hybridspec.policy import RoundRecord, save_records
 from vllm_hybridspec.policy.synthetic import synthesize, synthetic_costs
 
+from ..seeds import fresh_seed
+
 runner = CliRunner()
 
 
 def run(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def assert_refused(r, *words):
@@ -40,7 +38,7 @@ def inputs(tmp_path):
     """A good records file and a good cost file (fresh random rounds), in their own folder."""
     d = tmp_path / "in"
     d.mkdir()
-    save_records(synthesize(400, seed=fresh_seed()), d / "r.jsonl")
+    save_records(synthesize(400, seed=fresh_seed("cli_errors_inputs")), d / "r.jsonl")
     (d / "c.json").write_text(json.dumps(synthetic_costs()))
     return d
 
@@ -77,7 +75,8 @@ def test_fit_refuses_non_finite_costs(inputs, tmp_path, edit, field):
 
 def binary_bytes() -> bytes:
     # bytes 0x80..0xff never start a UTF-8 sequence correctly in this order
-    return bytes(torch.randint(128, 256, (4096,), dtype=torch.uint8).tolist())
+    gen = torch.Generator().manual_seed(fresh_seed("cli_errors_binary_bytes"))
+    return bytes(torch.randint(128, 256, (4096,), dtype=torch.uint8, generator=gen).tolist())
 
 
 def test_fit_refuses_binary_records(inputs, tmp_path):
@@ -145,7 +144,7 @@ def test_failed_write_leaves_old_file_and_no_temporary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RoundRecord, "model_dump_json", flaky)
     with pytest.raises(OSError, match="disk full"):
-        save_records(synthesize(200, seed=fresh_seed()), path)
+        save_records(synthesize(200, seed=fresh_seed("cli_errors_flaky")), path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 

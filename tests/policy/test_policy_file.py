@@ -9,6 +9,7 @@ from vllm_hybridspec.policy import (InputError, Policy, Rounds, fit_policy, load
                                     save_policy)
 from vllm_hybridspec.policy.cost import CostFile
 from vllm_hybridspec.policy.synthetic import synthesize, synthetic_costs
+from ..seeds import fresh_seed
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ DELETE = object()
     ("routing.eta", -1.0, ["routing.eta"]),
     ("batched.4.candidates", [8, 4], ["'batched.4.candidates' is [8, 4]"]),
     ("min_length", 3, ["min_length"]),
-    ("gate", {"0": True}, ["'gate' key 0 is not a batch size"]),
+    ("gate", {"0": True}, ["'gate.0'", "key '0' is not a batch size written as a positive integer"]),
     ("gate", {"4": "sometimes"}, ["gate.4"]),
     ("extra_field", 1, ["field 'extra_field': unknown key; valid keys here: format, version, draft_len"]),
     ("cost.curv", [], ["field 'cost.curv': unknown key (did you mean 'curve'?); valid keys here: measured_lengths"]),
@@ -105,7 +106,7 @@ def test_unreadable_policy_files(tmp_path):
 def test_batch_gate_fitted_from_plain_decoding_times(tmp_path, fitted):
     """Speculation at B = 4 yields rho_B tokens per ms; plain decoding 4 / plain_ms.  The gate is on
     exactly when rho_B is larger, at both sides of the break-even time."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("policy_file_batch_gate_fitted_from_plain"))
     rounds = Rounds.from_records(synthesize(1000, seed=int(torch.randint(0, 10**6, (), generator=gen))))
     costs = synthetic_costs()
     base, _ = fit_policy(rounds, CostFile.model_validate(costs))
@@ -149,7 +150,7 @@ def test_the_gate_drafts_where_the_predicted_speedup_is_above_one_between_calibr
     import math
     import random
 
-    rng = random.Random()
+    rng = random.Random(fresh_seed("policy_file_the_gate_drafts_where_the_pr"))
     for _ in range(20):
         sizes = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128], rng.randint(1, 5)))
         table = {b: rng.uniform(0.5, 2.5) for b in sizes}
@@ -169,7 +170,7 @@ def test_past_the_largest_calibrated_size_the_prediction_never_rises_and_falls_w
     ``B_max / B``, and non-increasing, so a gate off at some size stays off at every larger one."""
     import random
 
-    rng = random.Random()
+    rng = random.Random(fresh_seed("policy_file_past_the_largest_calibrated"))
     for _ in range(20):
         sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 4)))
         table = {b: rng.uniform(0.5, 3.0) for b in sizes}
@@ -200,7 +201,7 @@ def test_the_gate_ranges_are_the_decision_at_every_batch_size(fitted):
     ranges merged, ending at the bound."""
     import random
 
-    rng = random.Random()
+    rng = random.Random(fresh_seed("policy_file_the_gate_ranges_are_the_deci"))
     for _ in range(20):
         sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128], rng.randint(1, 4)))
         policy = _speedup_policy(fitted, {b: rng.uniform(0.4, 4.0) for b in sizes})
@@ -215,9 +216,41 @@ def test_the_gate_ranges_are_the_decision_at_every_batch_size(fitted):
 
 def test_a_speedup_table_is_read_strictly(tmp_path, fitted):
     obj = json.loads(fitted.model_dump_json())
-    for bad, message in (({"4": 0.0}, "'speedup.4' is 0.0; a predicted speedup is a ratio of throughputs (> 0)"),
-                         ({"0": 1.2}, "'speedup' key 0 is not a batch size (>= 1)")):
+    for bad, message in (({"4": 0.0}, "'speedup.4': Input should be greater than 0 (got 0.0)"),
+                         ({"0": 1.2}, "'speedup.0': key '0' is not a batch size written as a positive integer")):
         (tmp_path / "bad.json").write_text(json.dumps({**obj, "speedup": bad}))
         with pytest.raises(InputError) as e:
             load_policy(tmp_path / "bad.json")
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["04", "+4", " 4", "4.0", "4e0", "0x4", "four", "65537"])
+@pytest.mark.parametrize("table", ["batched", "gate", "speedup"])
+def test_per_batch_keys_are_canonical_positive_integers(tmp_path, fitted, table, key):
+    """One batch size has one key: ``"4"`` only, within 1..65,536; anything else is one line naming it."""
+    obj = json.loads(fitted.model_dump_json())
+    obj[table] = {key: obj[table]["4"]}
+    (tmp_path / "bad.json").write_text(json.dumps(obj))
+    with pytest.raises(InputError) as e:
+        load_policy(tmp_path / "bad.json")
+    message = str(e.value)
+    assert f"'{table}.{key}'" in message and "\n" not in message, message
+    assert ("positive integer" in message) if key != "65537" else ("65536" in message), message
+
+
+def test_the_gate_has_one_source(tmp_path, fitted):
+    """``speedup`` decides; a ``gate`` that disagrees with it, or a prediction without the batched costs it
+    came from, is refused in one line."""
+    obj = json.loads(fitted.model_dump_json())
+    assert obj["gate"] == {"4": obj["speedup"]["4"] > 1}  # as calibrate fit writes them
+    flipped = {"4": not obj["gate"]["4"]}
+    orphan = {**obj["speedup"], "8": 1.5}
+    for edit, words in (({"gate": flipped}, ["'gate.4' is", f"'speedup.4' is {obj['speedup']['4']:g}", "must agree"]),
+                        ({"speedup": orphan, "gate": {}}, ["'speedup.8' has no 'batched.8'", "batched sizes: [4]"]),
+                        ({"gate": {**obj["gate"], "2": True}}, ["'gate' has batch sizes [2, 4] but 'speedup' [4]"])):
+        (tmp_path / "bad.json").write_text(json.dumps({**obj, **edit}))
+        with pytest.raises(InputError) as e:
+            load_policy(tmp_path / "bad.json")
+        assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), (edit, str(e.value))
+    (tmp_path / "gate_only.json").write_text(json.dumps({**obj, "speedup": {}}))
+    assert load_policy(tmp_path / "gate_only.json").gate == {4: obj["gate"]["4"]}  # a gate alone is the source

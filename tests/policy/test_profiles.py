@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from vllm_hybridspec.cli import app
@@ -15,12 +14,10 @@ from vllm_hybridspec.policy.profiles import (PROFILES, acceptance_lengths, solve
 from vllm_hybridspec.policy.records import RoundRecord
 from vllm_hybridspec.policy.stats import calibration_error, format_stats, record_stats
 
+from ..seeds import fresh_seed
+
 NAME = "paper-dflash-qwen3.6"
 runner = CliRunner()
-
-
-def fresh_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, ()))
 
 
 def rounds_of(profile, n, seed):
@@ -31,7 +28,7 @@ def rounds_of(profile, n, seed):
 def stats_8000():
     """8,000 rounds of a fresh seed.  Over seeds, a file's AL varies with a standard deviation of
     about 0.035 at this size (0.022 at the committed 20,000 rounds), hence the tolerances below."""
-    return record_stats(rounds_of(PROFILES[NAME], 8000, fresh_seed()))
+    return record_stats(rounds_of(PROFILES[NAME], 8000, fresh_seed("profiles_stats_8000")))
 
 
 def test_acceptance_length_matches_table_3(stats_8000):
@@ -67,7 +64,7 @@ def test_a_calibrated_model_has_something_to_learn():
     """Fitted on one seed and scored on another, the acceptance model's c_i rank at least as well
     as the raw confidence and are much better calibrated."""
     prof = PROFILES[NAME]
-    seed = fresh_seed()
+    seed = fresh_seed("profiles_a_calibrated_model_has_somethin")
     train, test = rounds_of(prof, 6000, seed), rounds_of(prof, 6000, seed + 1)
     test = test.select(~test.truncated)
     c, _ = acceptance_model(test.conf, test.ent, fit_acceptance(train))
@@ -81,7 +78,7 @@ def test_a_calibrated_model_has_something_to_learn():
 
 
 def test_profile_is_deterministic_by_seed():
-    prof, seed = PROFILES[NAME], fresh_seed()
+    prof, seed = PROFILES[NAME], fresh_seed("profiles_profile_is_deterministic_by_see")
     a = synthesize_profile(prof, 1500, seed)
     assert a == synthesize_profile(prof, 1500, seed)
     assert a[:400] == synthesize_profile(prof, 400, seed)     # a longer run extends a shorter one
@@ -96,13 +93,25 @@ def test_profile_is_deterministic_by_seed():
         assert sum(x.accepted + 1 for x in rows) <= prof.max_tokens
 
 
+# the spread over seeds of acceptance_lengths at 20,000 rounds (AL, AL at length 7), measured over 20 seeds of
+# the paper profile: 0.024 and 0.0125.  Newton's method fits a function of the draws that jumps as rounds
+# change with the parameters, so it lands within about that spread of its targets, not closer: over 58
+# fresh seeds its errors had a standard deviation of 0.0085 and 0.0043 and reached 0.055 and 0.029 (2.3
+# spreads each).  Four spreads (0.096, 0.05) are the tolerance; the perturbed start is 0.12 and 0.23 away,
+# one Newton step 0.05 and 0.21, so a solver that does not converge still fails.
+SPREAD_20000 = (0.024, 0.0125)
+
+
 def test_solve_lengths_recovers_the_targets():
-    """From a perturbed start, Newton's method lands on the targets on its own draws."""
+    """From a perturbed start, Newton's method lands on the targets on its own draws, within four of the
+    estimator's spreads at the sample size it uses."""
     prof = PROFILES[NAME].model_copy(update={"mu": PROFILES[NAME].mu + 0.4, "decay": 0.3})
-    seeds = (fresh_seed(),)
+    seeds = (fresh_seed("profiles_solve_lengths_recovers_the_targ"),)
     solved = solve_lengths(prof, 4.79, 7, 3.99, n_rounds=20000, seeds=seeds)
     al, al7 = acceptance_lengths(solved, 20000, seeds, 7)
-    assert al == pytest.approx(4.79, abs=0.02) and al7 == pytest.approx(3.99, abs=0.02)
+    print(f"AL {al:.4f} (4.79), AL at 7 {al7:.4f} (3.99)")
+    assert al == pytest.approx(4.79, abs=4 * SPREAD_20000[0])
+    assert al7 == pytest.approx(3.99, abs=4 * SPREAD_20000[1])
 
 
 def test_stats_by_hand():
@@ -130,7 +139,7 @@ def run(*args):
 
 def test_cli_writes_the_profile_and_prints_its_statistics(tmp_path):
     out, summary, costs = tmp_path / "p.jsonl.gz", tmp_path / "p.json", tmp_path / "c.json"
-    seed = fresh_seed() % 10**6
+    seed = fresh_seed("profiles_cli_writes_the_profile_and_prin") % 10**6
     r = run("calibrate", "synth", "--profile", NAME, "--out", out, "--rounds", 3000, "--seed", seed,
             "--summary-out", summary, "--costs-out", costs)
     assert r.exit_code == 0, r.output

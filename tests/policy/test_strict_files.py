@@ -76,7 +76,7 @@ def test_the_good_files_load(tmp_path):
     ("batched.4.plain_ms", "9", ["'batched.4.plain_ms'", "valid number", "'9'"]),
     ("batched.4.candidates", [0, 8], ["'batched.4.candidates[0]'", "greater than or equal to 1"]),
     ("batched.4.fixed_ms", 12.0, ["'fixed_ms' is 12.0 ms", "10.1 ms"]),
-    ("batched", {"0": COSTS["batched"]["4"]}, ["'batched.0'", "greater than or equal to 1"]),
+    ("batched", {"0": COSTS["batched"]["4"]}, ["'batched.0'", "not a batch size written as a positive integer"]),
     ("version", "1", ["'version'", "'1'"]),
     ("time_unit", "s", ["'time_unit'", "'ms'"]),
 ])

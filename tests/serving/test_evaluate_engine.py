@@ -23,6 +23,7 @@ from vllm_hybridspec.policy.cost import load_costs
 from vllm_hybridspec.policy.policy_file import load_policy
 
 from .identity import TIES, GreedyRun, check_identity
+from ..seeds import fresh_seed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -160,7 +161,7 @@ def test_replayed_acceptance_against_a_separate_plain_engine(tmp_path):
     average (the replay corrupts each draft at a recorded rejection point)."""
     import random
 
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(fresh_seed("evaluate_engine_replayed_acceptance_agai"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": [rng.randrange(8192) for _ in range(rng.randrange(24, 49))]})
                                + "\n" for _ in range(PROMPTS)))

@@ -22,7 +22,7 @@ from vllm_hybridspec.engine.length.cut import NO_CUT, cut_of
 from vllm_hybridspec.engine.replay.proposer import ReplayHSpecProposer
 from vllm_hybridspec.policy.records import RoundRecord, save_records
 
-from .conftest import drafter_of, make_llm, runner_of
+from .conftest import drafter_of, fresh_seed, make_llm, runner_of
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,8 +68,7 @@ def replay_setup(target_dir, tmp_path_factory):
     benchmark prompts and of a few candidates for the unrecorded request, which is left out of the
     continuations file."""
     tmp = tmp_path_factory.mktemp("replay")
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")
+    seed = fresh_seed("replay_engine_replay_setup")
     ps = prompts(seed, NUM_PROMPTS + 8)
     prompt_file = tmp / "prompts.jsonl"
     # a benchmark cycles its prompts: the recording keeps one line per prompt

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from vllm_hybridspec.cli import app
 from vllm_hybridspec.tools import checks
+from ..seeds import fresh_seed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -57,13 +58,12 @@ def test_profile_summarises_each_verification_length(tmp_path):
         assert all(r["calls"] > 0 and r["callers"] for r in host["syncs"])
         assert (w == 4) == any(c.startswith("vllm/v1/spec_decode/llm_base_proposer.py") for c in callers), callers
         assert not any(c.startswith("vllm/v1/attention/backends/gdn_attn.py") for c in callers), callers
-        # where the host is blocked: a second pass on the main thread's CPU time, the two passes' clocks
-        # equally costly, so wall less CPU time is not negative beyond noise (with a cheaper wall clock it
-        # was -20 % of the step here); a busy machine may add wall time, so no upper bound
+        # where the host is blocked: a second pass on the main thread's CPU time (the split itself, wall less
+        # CPU time, is checked on fake clocks in tests/tools/test_profile_split.py; measured times move with load)
         waits = s["host_functions"]["waits"]
-        assert waits["total_wait_ms_per_step"] > -0.1 * host["wall_ms_per_step"]
+        assert {"total_wait_ms_per_step", "unprofiled", "by_self"} <= waits.keys()
         clean = waits["unprofiled"]
-        assert clean["wall_ms_per_step"] > 0 and clean["blocked_ms_per_step"] > -0.05 * clean["wall_ms_per_step"]
+        assert clean["wall_ms_per_step"] > 0 and "blocked_ms_per_step" in clean
         assert all(r["self_wait_ms"] >= 0.005 and isinstance(r["callers"], dict) for r in waits["by_self"])
         assert "## where the host is blocked" in (tmp_path / f"w{w}" / "host.txt").read_text()
     for w, s in summaries.items():
@@ -130,7 +130,7 @@ def test_compiled_equals_eager_with_hspec():
 def test_compiled_vs_eager_fails_on_a_planted_difference(monkeypatch, tmp_path):
     """Negative control: the command exits 1 and names the prompt and position where a compiled output
     (planted) departs from the eager one."""
-    rng = random.Random()
+    rng = random.Random(fresh_seed("tool_commands_compiled_vs_eager_fails_on"))
     eager = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
     compiled = [list(row) for row in eager]
     p, at = rng.randrange(3), rng.randrange(8)

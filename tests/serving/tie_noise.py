@@ -25,6 +25,7 @@ os.environ.setdefault("MAMBA_DETERMINISTIC", "1")
 import torch  # noqa: E402
 
 from . import identity  # noqa: E402
+from ..seeds import fresh_seed  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 HYBRID = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32", "max_model_len": 256,
@@ -108,8 +109,7 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--targets", default="tiny-hybrid,tiny-hybrid-8,tiny-hybrid-8-v12,tiny-dense,reference-dense,reference-hybrid")
     args = parser.parse_args()
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
+    seed = fresh_seed("tie_noise_main")
     rng = random.Random(seed)
     worst: dict[str, float] = {}
     for target in args.targets.split(","):

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from vllm_hybridspec.cli import app
 from vllm_hybridspec.tools.compare_report import first_divergence
+from ..seeds import fresh_seed
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -44,7 +45,7 @@ def test_first_divergence():
 
 
 def test_compare_report_counts_planted_differences(tmp_path):
-    rng = random.Random()
+    rng = random.Random(fresh_seed("reports_compare_report_counts_planted_di"))
     n = rng.randrange(6, 12)
     planted = {p: rng.randrange(0, 8) for p in rng.sample(range(n), 2)}
     plain, hspec = compare_result(rng, n, planted)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hybridspec.tools.spec_steps import spec_steps_table
+from ..seeds import fresh_seed
 
 ID = {"precision": "bfloat16", "gpu": "NVIDIA H100 80GB HBM3"}  # inputs written before they recorded either
 
@@ -60,7 +61,7 @@ def test_the_table_records_the_layers_and_the_default_drafter_round_per_batch_si
     the drafting round of the engine's default drafter (grouped attention), not another variant's."""
     import random
 
-    rng = random.Random()
+    rng = random.Random(fresh_seed("spec_steps_table_the_table_records_the_l"))
     grouped = {b: round(rng.uniform(0.5, 3.0), 4) for b in (1, 4, 16)}
     rounds = {"rows": [{"B": b, "round_grouped_ms": ms, "round_fused_ms": ms + 1.0, "round_compiled_ms": ms / 2}
                        for b, ms in grouped.items()]}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_hybridspec.train.reference.accept import per_prompt_counts, spec_config
+from ..seeds import fresh_seed
 
 
 class FakeLLM:
@@ -21,6 +22,7 @@ class FakeLLM:
         self.D, self.reported = D, positions_reported or D
         self.drafts, self.per_pos = 0, [0] * self.reported
         self.accepted: list[torch.Tensor] = []
+        self.gen = torch.Generator().manual_seed(fresh_seed("reference_accept_fake_llm"))
 
     def get_metrics(self):
         return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
@@ -28,7 +30,7 @@ class FakeLLM:
                 SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=list(self.per_pos))]
 
     def generate(self, prompts, params, use_tqdm=False):
-        a = torch.randint(0, self.D + 1, (int(torch.randint(1, 20, ())),))
+        a = torch.randint(0, self.D + 1, (int(torch.randint(1, 20, (), generator=self.gen)),), generator=self.gen)
         self.accepted.append(a)
         self.drafts += len(a)
         for k in range(self.reported):

@@ -6,6 +6,7 @@ import math
 
 import torch
 from vllm_hybridspec.train.reference.pretrain import PretrainSpec, eval_windows, lr_at, unigram_loss
+from ..seeds import fresh_seed
 
 
 def test_unigram_loss_by_hand():
@@ -16,15 +17,17 @@ def test_unigram_loss_by_hand():
 
 
 def test_unigram_loss_random_matches_formula():
-    V = int(torch.randint(5, 50, ()))
-    train, held = torch.randint(0, V, (1000,)), torch.randint(0, V, (300,))
+    gen = torch.Generator().manual_seed(fresh_seed("pretrain_unigram_loss"))
+    V = int(torch.randint(5, 50, (), generator=gen))
+    train, held = torch.randint(0, V, (1000,), generator=gen), torch.randint(0, V, (300,), generator=gen)
     counts = torch.bincount(train, minlength=V).double()
     expected = -torch.log((counts[held] + 0.5) / (1000 + 0.5 * V)).mean()
     assert math.isclose(unigram_loss(train, held, V, alpha=0.5), float(expected), rel_tol=1e-12)
 
 
 def test_eval_windows_cover_consecutive_tokens():
-    tokens = torch.randperm(1000)
+    gen = torch.Generator().manual_seed(fresh_seed("pretrain_eval_windows"))
+    tokens = torch.randperm(1000, generator=gen)
     w = eval_windows(tokens, seq_len=64, max_tokens=300)
     assert w.shape == (4, 65)
     assert torch.equal(w[1, :], tokens[64:129]) and torch.equal(w[0, -1], w[1, 0])

@@ -6,6 +6,7 @@ import torch
 from vllm_hybridspec.train.reference.pretrain import PretrainSpec, pretrain, save_target
 from vllm_hybridspec.train.reference.targets import DENSE, HYBRID, build_target, target_config
 from vllm_hybridspec.train.target import use_torch_gated_delta_rule
+from ..seeds import fresh_seed
 
 SMALL = dict(num_hidden_layers=4, hidden_size=128)
 
@@ -29,10 +30,11 @@ def _stream(vocab: int, n: int) -> torch.Tensor:
 
 
 def test_a_few_steps_lower_the_loss(tmp_path):
+    gen = torch.Generator().manual_seed(fresh_seed("targets_pretrain"))
     use_torch_gated_delta_rule()
     torch.set_num_threads(1)
     spec = PretrainSpec(seq_len=32, batch_size=4, steps=12, lr=3e-3, warmup_steps=2, eval_every=12, eval_tokens=256,
-                        seed=int(torch.randint(0, 1000, ())))
+                        seed=int(torch.randint(0, 1000, (), generator=gen)))
     for size in (HYBRID.model_copy(update=SMALL), DENSE.model_copy(update=SMALL)):
         model = build_target(size, 256, 0, seed=spec.seed)
         stream = _stream(256, 4096)

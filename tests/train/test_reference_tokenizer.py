@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 from vllm_hybridspec.train.reference.corpus import build_split
 from vllm_hybridspec.train.reference.tokenizer import EOS, MASK, encode_documents, train_tokenizer
+from ..seeds import fresh_seed
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def split_and_tokenizer(tmp_path_factory):
 
 def test_round_trip_on_heldout_code(split_and_tokenizer):
     split, tok = split_and_tokenizer
-    rng = random.Random()
+    rng = random.Random(fresh_seed("reference_tokenizer_round_trip_on_heldou"))
     for text in rng.sample(split.texts("heldout"), 5):
         start = rng.randrange(max(1, len(text) - 2000))
         piece = text[start : start + 2000]

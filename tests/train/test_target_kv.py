@@ -8,6 +8,7 @@ import torch
 from vllm_hybridspec.drafter import HSpecDraftModel, full_attention_layers
 from vllm_hybridspec.train.target import AddTargetKV, TargetKV, capture_hidden_states, load_target
 from vllm_hybridspec.train.tiny_target import TinyTarget, build_tiny_target
+from ..seeds import fresh_seed
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_next"])
@@ -61,10 +62,11 @@ def test_recomputed_kv_equals_the_targets_cache(target):
 
 def test_recompute_uses_positions_per_document(target):
     """In a packed sequence every document's positions restart at 0; so does the recomputed RoPE."""
+    gen = torch.Generator().manual_seed(fresh_seed("target_kv_positions"))
     model, _ = target
     kv_layers = full_attention_layers(model.config)
     recompute = TargetKV(model, kv_layers, kv_layers)
-    a, b = torch.randint(0, 256, (9,)), torch.randint(0, 256, (6,))
+    a, b = torch.randint(0, 256, (9,), generator=gen), torch.randint(0, 256, (6,), generator=gen)
     separate = [
         recompute(capture_hidden_states(model, x, kv_layers)[:, :-1], torch.arange(len(x))) for x in (a, b)
     ]

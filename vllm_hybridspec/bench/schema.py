@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_hybridspec.policy.ranges import MAX_BATCH, MAX_BATCH_RATE, MAX_COUNT, MAX_LENGTH, MAX_S
+
 
 class InvalidResult(ValueError):
     """A result file the report cannot read; the message names the file and the field."""
@@ -45,7 +47,7 @@ def _is_number(v) -> bool:
 
 
 def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
 
 
 def _at_least(low: float, most: float = math.inf) -> Callable[[object], bool]:
@@ -56,22 +58,26 @@ def _or_null(value: _Value) -> _Value:
     return _Value(f"{value.expected} or null", lambda v: v is None or value.accepts(v))
 
 
-_NONNEG = _Value("a finite number >= 0", _at_least(0.0))         # times, throughputs
-_NONNEG_OR_NULL = _or_null(_NONNEG)
+# tokens (or requests) per second of one engine: every verified token of a full batch in the shortest round
+MAX_PER_S = MAX_BATCH_RATE * 1e3
+_SECONDS = _Value(f"a finite number of seconds in 0..{MAX_S:g}", _at_least(0.0, MAX_S))  # latencies
+_PER_S = _Value(f"a finite number per second in 0..{MAX_PER_S:.3g}", _at_least(0.0, MAX_PER_S))  # throughputs
+_PER_S_OR_NULL = _or_null(_PER_S)
 _SHARE_OR_NULL = _or_null(_Value("a share in [0, 1]", _at_least(0.0, 1.0)))  # KV cache usage
-_COUNT = _Value("an integer >= 0", _is_count)
+_COUNT = _Value(f"an integer in 0..{MAX_COUNT:,}", _is_count)
 _TEXT = _Value("a string", lambda v: isinstance(v, str))
-_SUMMARY = _Object({"mean": _NONNEG_OR_NULL, "p50": _NONNEG_OR_NULL, "p99": _NONNEG_OR_NULL})
+_SUMMARY = _Object({"mean": _or_null(_SECONDS), "p50": _or_null(_SECONDS), "p99": _or_null(_SECONDS)})
 _LEVEL = _Object(
-    required={"concurrency": _Value("an integer >= 1", lambda v: _is_count(v) and v >= 1), "completed": _COUNT,
-              "failed": _COUNT, "output_throughput": _NONNEG_OR_NULL, "request_throughput": _NONNEG_OR_NULL,
-              "ttft_s": _SUMMARY, "itl_s": _SUMMARY, "e2e_s": _SUMMARY},
+    required={"concurrency": _Value(f"an integer in 1..{MAX_BATCH:,}", lambda v: _is_count(v) and 1 <= v <= MAX_BATCH),
+              "completed": _COUNT, "failed": _COUNT, "output_throughput": _PER_S_OR_NULL,
+              "request_throughput": _PER_S_OR_NULL, "ttft_s": _SUMMARY, "itl_s": _SUMMARY, "e2e_s": _SUMMARY},
     optional={"not_sent": _COUNT, "status": _TEXT,
               # tokens per verifying round: the bonus token at least
-              "mean_acceptance_length": _or_null(_Value("a finite number >= 1", _at_least(1.0))),
+              "mean_acceptance_length": _or_null(_Value(f"a finite number in 1..{MAX_LENGTH}",
+                                                        _at_least(1.0, MAX_LENGTH))),
               "kv_cache_usage": _Object({}, {"mean": _SHARE_OR_NULL, "max": _SHARE_OR_NULL}, nullable=True),
-              "output_throughput_spread": _Object({"min": _NONNEG, "max": _NONNEG,
-                                                   "repeats": _List(_NONNEG, "a list of numbers")}, nullable=True)})
+              "output_throughput_spread": _Object({"min": _PER_S, "max": _PER_S,
+                                                   "repeats": _List(_PER_S, "a list of numbers")}, nullable=True)})
 _RESULT = _Object({"status": _TEXT, "levels": _List(_LEVEL, "a list of levels (objects with concurrency, completed, ...)")},
                   {"config": _Object({}), "error": _Value("a string or null", lambda v: v is None or isinstance(v, str))})
 

@@ -9,10 +9,11 @@ rounds: the numerator sums ``1 + sum_{i < w0} p_i``, the denominator ``C_tgt(w0)
 from __future__ import annotations
 
 import torch
+from pydantic import ValidationError
 
 from .acceptance import FEATURES, acceptance_model, fit_acceptance
 from .cost import CostFile, cost_curve, expert_tables
-from .errors import InputError
+from .errors import InputError, describe
 from .policy_file import (AcceptanceParams, BatchedParams, CostParams, IsotonicMap, PolicyFile,
                           RoutingParams)
 from .rate import dinkelbach
@@ -51,7 +52,18 @@ def predicted_speedup(rate_b: float, batch: int, plain_ms: float) -> float:
 
 def fit_policy(rounds: Rounds, costs: CostFile, min_length: int = 2,
                provenance: dict | None = None) -> tuple[PolicyFile, list[str]]:
-    """Fit every parameter.  Returns the policy and notes worth telling the user."""
+    """Fit every parameter.  Returns the policy and notes worth telling the user.  Records and costs
+    each within their ranges can still give a value beyond a policy's (a plain step a minute long beside
+    rounds of a microsecond): that is one :class:`InputError` naming the field."""
+    try:
+        return _fit(rounds, costs, min_length, provenance)
+    except ValidationError as e:
+        raise InputError(f"{describe(e, 'the fitted policy')}; the records and costs give a value outside "
+                         "a policy's ranges (docs/inputs.md)") from None
+
+
+def _fit(rounds: Rounds, costs: CostFile, min_length: int, provenance: dict | None
+         ) -> tuple[PolicyFile, list[str]]:
     notes: list[str] = []
     d, w_max = rounds.draft_len, rounds.draft_len + 1
     if min_length not in (1, 2):

@@ -50,16 +50,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .errors import InputError
 from .files import read_model
+from .ranges import (MAX_BATCH, MAX_EXPERTS_PER_TOKEN, MAX_LENGTH, MAX_MS, MAX_NEW_EXPERTS, MIN_MS, BatchKey,
+                     Length, LengthKey)
 from .records import Rounds
 
 MIN_CELL_TOKENS = 30  # paper: sparser cells of nbar_all(w0 | n) use a linear fit in n
 
 
-# The range a measured time can have (milliseconds): a microsecond at least (one kernel launch), and
-# less than a minute for one decode round of any model; outside it a file has a unit or typing slip.
-MIN_MS, MAX_MS = 1e-3, 60_000.0
+# the range a measured time can have is policy/ranges.py's (MIN_MS..MAX_MS milliseconds)
 Ms = Annotated[float, Field(ge=0, le=MAX_MS)]
-BatchSize = Annotated[int, Field(ge=1)]
 
 
 def _positive_times(v: dict[int, float | list[float]]) -> dict[int, float | list[float]]:
@@ -71,8 +70,8 @@ def _positive_times(v: dict[int, float | list[float]]) -> dict[int, float | list
             if not (math.isfinite(x) and MIN_MS <= x <= MAX_MS):
                 raise ValueError(f"length {w} has time {x!r} ms; a round time must be finite and within "
                                  f"{MIN_MS:g}..{MAX_MS:g} ms")
-        if w < 1:
-            raise ValueError(f"length {w} is not a verification length (lengths start at 1)")
+        if not 1 <= w <= MAX_LENGTH:
+            raise ValueError(f"length {w} is not a verification length (1..{MAX_LENGTH})")
     return v
 
 
@@ -88,8 +87,8 @@ def _fixed_below_rounds(round_ms: dict[int, float | list[float]], fixed_ms: floa
 
 class LatencySeries(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    tokens: list[Annotated[float, Field(ge=0)]] | None = None
-    distinct_experts: list[Annotated[float, Field(ge=0)]] | None = None
+    tokens: list[Annotated[float, Field(ge=0, le=MAX_BATCH * MAX_LENGTH)]] | None = None  # tokens in one step
+    distinct_experts: list[Annotated[float, Field(ge=0, le=MAX_NEW_EXPERTS)]] | None = None
     ms: list[Ms]
 
     @model_validator(mode="after")
@@ -109,9 +108,9 @@ class LatencySeries(BaseModel):
 
 class BatchCosts(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    round_ms: dict[int, float | list[float]]
+    round_ms: dict[LengthKey, float | list[float]]
     fixed_ms: Ms | None = None
-    candidates: list[Annotated[int, Field(ge=1)]] | None = None
+    candidates: list[Length] | None = None
     plain_ms: float | None = Field(default=None, ge=MIN_MS, le=MAX_MS)
 
     _times = field_validator("round_ms")(_positive_times)
@@ -126,14 +125,14 @@ class CostFile(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     version: int = Field(default=1, ge=1, le=1)  # an int, so that 1.0 is refused as the other numbers are
     time_unit: Literal["ms"] = "ms"
-    round_ms: dict[int, float | list[float]]
+    round_ms: dict[LengthKey, float | list[float]]
     fixed_ms: Ms | None = None
     s_ms: Ms | None = None
     stage0: LatencySeries | None = None
     eta_ms: Ms | None = None
     experts: LatencySeries | None = None
-    experts_per_token: int | None = Field(default=None, ge=1, le=1024)
-    batched: dict[BatchSize, BatchCosts] = {}
+    experts_per_token: int | None = Field(default=None, ge=1, le=MAX_EXPERTS_PER_TOKEN)
+    batched: dict[BatchKey, BatchCosts] = {}
 
     _times = field_validator("round_ms")(_positive_times)
 

@@ -32,7 +32,8 @@ speculation's tokens per ms over plain decoding's (``rho_B * plain_ms_B / B``). 
 requests drafts when the predicted speedup at ``B`` is above 1 (:meth:`Policy.predicted_speedup`:
 interpolated between calibrated sizes, and beyond the largest one never above what it was there nor
 above that value scaled by ``B_max / B``, as if speculation's throughput stopped growing with the batch
-while plain decoding's grew in proportion). ``gate`` holds the same decisions at the calibrated sizes;
+while plain decoding's grew in proportion). Each prediction needs the ``batched`` costs at its size, and
+``gate`` holds the same decisions at the same sizes (a file where they disagree is refused: one source);
 a file with ``gate`` and no ``speedup`` (files without either load and never gate) takes, for ``B``
 requests, the entry of the largest calibrated batch size ``<= B``, drafting below the smallest one.
 
@@ -51,9 +52,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .acceptance import FEATURES, AcceptanceModel, acceptance_model
-from .cost import MAX_MS, padded_curve
+from .cost import padded_curve
 from .errors import InputError
 from .files import read_json, read_model, write_text_atomic
+from .ranges import (MAX_BATCH_RATE, MAX_COEF, MAX_EXPERTS_PER_TOKEN, MAX_LENGTH, MAX_MS,
+                     MAX_NEW_EXPERTS, MAX_QUADRATIC, MAX_RATE, MAX_SPEEDUP, BatchKey, Length)
 from .selector import expansion_table, routing_correction, select_length, select_shared_length, stage0_length
 
 FORMAT = "hybridspec-policy"
@@ -79,13 +82,15 @@ def _check_curve(curve: list[float], quadratic: tuple[float, float, float], fixe
         if abs(got - want) > 1e-6 * max(1.0, abs(want) + fixed):
             raise ValueError(f"'{where}.curve[{w - 1}]' is {got} but '{where}.quadratic' minus "
                              f"'{where}.fixed' gives {want} at w = {w}; the fields disagree")
-        if got + fixed <= 0:
+        if not 0 < got + fixed <= MAX_MS:
             raise ValueError(f"'{where}.curve[{w - 1}]' + fixed = {got + fixed} at w = {w}; "
-                             f"round times must be positive")
+                             f"round times must lie in (0, {MAX_MS:g}] ms")
 
 
 Unit = Annotated[float, Field(ge=0, le=1)]
-NonNegative = Annotated[float, Field(ge=0)]
+NewExperts = Annotated[float, Field(ge=0, le=MAX_NEW_EXPERTS)]
+Coef = Annotated[float, Field(ge=-MAX_COEF, le=MAX_COEF)]
+Quadratic = Annotated[float, Field(ge=-MAX_QUADRATIC, le=MAX_QUADRATIC)]
 
 
 class IsotonicMap(BaseModel):
@@ -111,8 +116,8 @@ class AcceptanceParams(BaseModel):
     features: list[str]
     entropy_eps: float = Field(gt=0, le=1)
     isotonic: list[IsotonicMap]
-    coef: list[float]
-    intercept: float
+    coef: list[Coef]
+    intercept: Coef
 
     _fin = field_validator("coef")(_finite)
 
@@ -135,27 +140,27 @@ class AcceptanceParams(BaseModel):
 
 class CostParams(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    measured_lengths: list[Annotated[int, Field(ge=1)]] = Field(min_length=3)
-    quadratic: tuple[float, float, float]
-    fixed: float = Field(ge=0)
-    curve: list[float]
+    measured_lengths: list[Length] = Field(min_length=3)
+    quadratic: tuple[Quadratic, Quadratic, Quadratic]
+    fixed: float = Field(ge=0, le=MAX_MS)
+    curve: list[Annotated[float, Field(ge=-MAX_MS, le=MAX_MS)]]
 
     _fin = field_validator("curve")(_finite)
 
 
 class BatchedParams(CostParams):
-    candidates: list[int] = Field(min_length=1)
-    rate: float = Field(gt=0)
+    candidates: list[Length] = Field(min_length=1)
+    rate: float = Field(gt=0, le=MAX_BATCH_RATE)  # the batch's tokens per ms
 
 
 class RoutingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     s: float = Field(ge=0, le=MAX_MS)
     eta: float = Field(ge=0, le=MAX_MS)
-    experts_per_token: int = Field(ge=1, le=1024)
+    experts_per_token: int = Field(ge=1, le=MAX_EXPERTS_PER_TOKEN)
     later_layers: bool
-    n_all: list[NonNegative]        # expected new experts: counts
-    n_all_given: list[list[NonNegative]]
+    n_all: list[NewExperts]        # expected new experts: counts
+    n_all_given: list[list[NewExperts]]
 
     _fin = field_validator("n_all")(_finite)
 
@@ -166,18 +171,17 @@ class PolicyFile(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     format: Literal["hybridspec-policy"] = FORMAT
     version: int = Field(default=VERSION, ge=VERSION, le=VERSION)  # an int: 1.0 is refused
-    draft_len: int = Field(ge=1)
+    draft_len: int = Field(ge=1, le=MAX_LENGTH - 1)
     min_length: int = Field(default=2, ge=1, le=2)
     time_unit: Literal["ms"] = "ms"
     acceptance: AcceptanceParams
     cost: CostParams
-    rate: float = Field(gt=0)
+    rate: float = Field(gt=0, le=MAX_RATE)
     routing: RoutingParams | None = None
-    batched: dict[int, BatchedParams] = {}
-    gate: dict[int, bool] = {}
-    speedup: dict[int, float] = {}
+    batched: dict[BatchKey, BatchedParams] = {}
+    gate: dict[BatchKey, bool] = {}
+    speedup: dict[BatchKey, Annotated[float, Field(gt=0, le=MAX_SPEEDUP)]] = {}
     fit: dict[str, Any] = {}
-
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyFile:
@@ -202,22 +206,30 @@ class PolicyFile(BaseModel):
                     raise ValueError(f"'routing.n_all_given[{j}]' needs {r.experts_per_token + 1} "
                                      f"finite values (n = 0..experts_per_token), got {row}")
         for b, p in self.batched.items():
-            if b < 1:
-                raise ValueError(f"'batched' key {b} is not a batch size (>= 1)")
             _check_curve(p.curve, p.quadratic, p.fixed, d, f"batched.{b}")
             c = p.candidates
             if c != sorted(set(c)) or not all(1 <= w <= w_max for w in c):
                 raise ValueError(f"'batched.{b}.candidates' is {c}; it must be increasing, "
                                  f"without repeats, within 1..{w_max}")
-        bad = [b for b in self.gate if b < 1]
-        if bad:
-            raise ValueError(f"'gate' key {bad[0]} is not a batch size (>= 1)")
-        for b, r in self.speedup.items():
-            if b < 1:
-                raise ValueError(f"'speedup' key {b} is not a batch size (>= 1)")
-            if not r > 0:
-                raise ValueError(f"'speedup.{b}' is {r}; a predicted speedup is a ratio of throughputs (> 0)")
+        self._one_gate()
         return self
+
+    def _one_gate(self) -> None:
+        """``speedup`` is the gate's one source: each prediction comes from the batched costs at its batch
+        size, and ``gate``, when given beside it, holds the same decisions (speedup above 1) at the same sizes."""
+        for b in sorted(self.speedup):
+            if b not in self.batched:
+                raise ValueError(f"'speedup.{b}' has no 'batched.{b}', the costs a prediction comes from; "
+                                 f"batched sizes: {sorted(self.batched) or 'none'}")
+        if self.speedup and self.gate:
+            if set(self.gate) != set(self.speedup):
+                raise ValueError(f"'gate' has batch sizes {sorted(self.gate)} but 'speedup' {sorted(self.speedup)}; "
+                                 "the gate holds the prediction's decisions at the same sizes")
+            for b in sorted(self.gate):
+                if self.gate[b] != (self.speedup[b] > 1.0):
+                    raise ValueError(f"'gate.{b}' is {str(self.gate[b]).lower()} but 'speedup.{b}' is "
+                                     f"{self.speedup[b]:g}, which gives {str(self.speedup[b] > 1.0).lower()} "
+                                     "(draft where the speedup is above 1); the two must agree")
 
 
 def load_policy(path: str | Path) -> PolicyFile:

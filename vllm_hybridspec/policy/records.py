@@ -33,13 +33,20 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from .errors import InputError, describe
 from .files import atomic_path, not_text
+from .ranges import MAX_COUNT, MAX_EXPERTS_PER_TOKEN, MAX_LENGTH, MAX_NEW_EXPERTS, MAX_TOKENS
+
+# an entropy in nats: at most log(V), and log(2**40) bounds every vocabulary
+MAX_ENTROPY = 40 * math.log(2)
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Entropy = Annotated[float, Field(ge=0, le=MAX_ENTROPY, allow_inf_nan=False)]
 
 
 class RoundRecord(BaseModel):
@@ -47,39 +54,15 @@ class RoundRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    conf: list[float] = Field(min_length=1)
-    ent: list[float] = Field(min_length=1)
+    conf: list[Probability] = Field(min_length=1, max_length=MAX_LENGTH - 1)
+    ent: list[Entropy] = Field(min_length=1)
     accepted: int = Field(ge=0)
     truncated: bool = False
-    n_new_l0: list[int] | None = None
-    n_new_later: list[int] | None = None
-    remaining: int | None = Field(default=None, ge=1)
-    p_true: list[float] | None = None
-    request: int | None = None
-
-    @field_validator("conf", "p_true")
-    @classmethod
-    def _probabilities(cls, v: list[float] | None) -> list[float] | None:
-        for i, x in enumerate(v or ()):
-            if not 0.0 <= x <= 1.0:
-                raise ValueError(f"entry {i} is {x!r}; probabilities must lie in [0, 1]")
-        return v
-
-    @field_validator("ent")
-    @classmethod
-    def _entropies(cls, v: list[float]) -> list[float]:
-        for i, x in enumerate(v):
-            if not (math.isfinite(x) and x >= 0.0):
-                raise ValueError(f"entry {i} is {x!r}; entropies must be finite and >= 0")
-        return v
-
-    @field_validator("n_new_l0", "n_new_later")
-    @classmethod
-    def _counts(cls, v: list[int] | None) -> list[int] | None:
-        for i, x in enumerate(v or ()):
-            if x < 0:
-                raise ValueError(f"entry {i} is {x}; expert counts must be >= 0")
-        return v
+    n_new_l0: list[Annotated[int, Field(ge=0, le=MAX_EXPERTS_PER_TOKEN)]] | None = None  # a token's top-k at most
+    n_new_later: list[Annotated[int, Field(ge=0, le=MAX_NEW_EXPERTS)]] | None = None  # its top-k in every layer
+    remaining: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    p_true: list[Probability] | None = None
+    request: int | None = Field(default=None, ge=0, le=MAX_COUNT)
 
     @model_validator(mode="after")
     def _same_length(self) -> RoundRecord:

@@ -24,42 +24,52 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def load(paths: list[Path]) -> list[dict]:
-    """The configs of every file, in order; a file that is not a ``hybridspec compare`` result is refused
-    in one line naming it."""
+    """The configs of every file, in order, as their model read them (a field left out or null is
+    ``None``); a file that is not a ``hybridspec compare`` result is refused in one line naming it."""
     from vllm_hybridspec.policy.errors import InputError
     from vllm_hybridspec.tools.result_files import load_compare
 
     results = []
     for path in paths:
         try:
-            load_compare(path)
-            rows = json.loads(Path(path).read_text())["results"]
+            result = load_compare(path)
         except InputError as e:
             raise typer.BadParameter(str(e)) from None
-        for r in rows:
-            results.append({**r, "file": str(path)})
+        for r in result.results:
+            results.append({**r.model_dump(), "file": str(path)})
     return results
 
 
+def _gap(ref: dict, output: list[int], p: int) -> str:
+    """The reference's top-2 gap where ``output`` first parts from the reference's output of prompt ``p``;
+    ``-`` where none was recorded (no gap at that token, or the reference ended there)."""
+    gaps = ref["top2_gaps"][p]
+    i = first_divergence(output, ref["outputs"][p])
+    return "-" if i >= len(gaps) or gaps[i] is None else f"{gaps[i]:.4g}"
+
+
 def identity_table(results: list[dict]) -> str:
-    """Per config: prompts identical to the first config's output, the reference's top-2 gaps where
-    they part, KV capacity, acceptance, engine start."""
-    ref = results[0]
+    """Per config: prompts identical to the reference's output (the first config with outputs), the
+    reference's top-2 gaps where they part, KV capacity, acceptance, engine start."""
+    ref = next((r for r in results if r["error"] is None), None)
+    if ref is None:
+        raise typer.BadParameter(f"{results[0]['file']}: every config ended in an error; there is no output "
+                                 "to compare")
     lines = ["| config | identical to " + ref["name"] + " | gaps (nats) at first divergences | KV cache (tokens) "
              "| acceptance length | engine start (s) |", "|---|---|---|---|---|---|"]
     for r in results:
-        if "error" in r:
+        if r["error"] is not None:
             lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
             continue
         n = len(ref["outputs"])
         diffs = [p for p, (a, b) in enumerate(zip(r["outputs"], ref["outputs"])) if a != b]
         gaps = ""
-        if diffs and "top2_gaps" in ref:
-            gaps = ", ".join(f"{ref['top2_gaps'][p][first_divergence(r['outputs'][p], ref['outputs'][p])]:.4g}"
-                             for p in diffs)
-        acc = f"{r['mean_acceptance_length']:.3f}" if r.get("mean_acceptance_length") else "-"
+        if diffs and ref["top2_gaps"] is not None:
+            gaps = ", ".join(_gap(ref, r["outputs"][p], p) for p in diffs)
+        acc = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.3f}"
+        start = "-" if r["engine_start_s"] is None else f"{r['engine_start_s']:.0f}"
         lines.append(f"| {r['name']} | {n - len(diffs)}/{n} | {gaps or '-'} | {r['kv_capacity_tokens']:,} | {acc} "
-                     f"| {r.get('engine_start_s', float('nan')):.0f} |")
+                     f"| {start} |")
     return "\n".join(lines)
 
 
@@ -81,7 +91,7 @@ def sweep_table(results: list[dict]) -> str:
 
 def gap_census(ref: dict) -> str:
     """How many of the reference's output positions had a top-2 gap at or under 0, 1/16 and 1/8 nats."""
-    if "top2_gaps" not in ref:
+    if ref["error"] is not None or ref["top2_gaps"] is None:
         return ""
     gaps = [g for row in ref["top2_gaps"] for g in row if g is not None]
     parts = [f"<= {t}: {sum(g <= t + 1e-9 for g in gaps)}" for t in (0.0, 0.0625, 0.125)]
@@ -94,7 +104,7 @@ def compare_report(files: list[Path] = typer.Argument(..., help="hybridspec comp
     if not results:
         raise typer.BadParameter(f"{', '.join(map(str, files))}: no configs in these results")
     typer.echo(identity_table(results))
-    census = gap_census(results[0])
+    census = gap_census(next(r for r in results if r["error"] is None))
     if census:
         typer.echo(f"\n{census}")
     sweep = sweep_table(results)

@@ -12,22 +12,33 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_hybridspec.policy.errors import InputError
 from vllm_hybridspec.policy.files import read_model
+from vllm_hybridspec.policy.ranges import (MAX_BATCH, MAX_BATCH_RATE, MAX_COUNT, MAX_LENGTH, MAX_MS, MAX_NATS, MIN_MS,
+                                           BatchSize, BatchText, Length, Seconds, Tokens)
 
 # the fields named here are checked, the rest of a result passes as it is
 RESULT_FIELDS = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-Ms = Annotated[float, Field(ge=0)]
+Ms = Annotated[float, Field(ge=MIN_MS, le=MAX_MS)]  # a measured step: tokens/s divide by it
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # vLLM's token ids are int32
 
 
 class StepTimes(BaseModel):
     """Decode-step times at one batch size and verification length (``length`` null: drafting off or plain)."""
 
     model_config = RESULT_FIELDS
-    batch: int = Field(ge=1)
-    length: int | None = Field(default=None, ge=1)
-    steps: int = Field(ge=1)
+    batch: BatchSize
+    length: Length | None = None
+    steps: int = Field(ge=1, le=MAX_COUNT)
     mean_ms: Ms
     median_ms: Ms
-    tokens_per_step: float = Field(ge=0)
+    tokens_per_step: float = Field(ge=0, le=MAX_BATCH * MAX_LENGTH)
+
+    @model_validator(mode="after")
+    def _tokens(self) -> StepTimes:
+        w = self.length or MAX_LENGTH  # null: no fixed length (plain decoding, or the policy's lengths)
+        if self.tokens_per_step > self.batch * w:
+            raise ValueError(f"'tokens_per_step' is {self.tokens_per_step:g} but a step of {self.batch} requests "
+                             f"verifying at most {w} tokens each makes at most {self.batch * w}")
+        return self
 
 
 class CompareConfig(BaseModel):
@@ -36,11 +47,11 @@ class CompareConfig(BaseModel):
     model_config = RESULT_FIELDS
     name: str
     error: str | None = None
-    outputs: list[list[Annotated[int, Field(ge=0)]]] | None = None
-    kv_capacity_tokens: int | None = Field(default=None, ge=0)
-    mean_acceptance_length: float | None = Field(default=None, ge=1)
-    engine_start_s: float | None = Field(default=None, ge=0)
-    top2_gaps: list[list[Annotated[float, Field(ge=0)] | None]] | None = None
+    outputs: list[list[TokenId]] | None = None
+    kv_capacity_tokens: Tokens | None = None
+    mean_acceptance_length: float | None = Field(default=None, ge=1, le=MAX_LENGTH)
+    engine_start_s: Seconds | None = None
+    top2_gaps: list[list[Annotated[float, Field(ge=0, le=MAX_NATS)] | None]] | None = None
     round_ms: dict[str, StepTimes | str] | None = None  # {"skipped": why} when no sweep ran
 
     @model_validator(mode="after")
@@ -68,12 +79,19 @@ class CompareResult(BaseModel):
 
 
 class ModeSteps(StepTimes):
-    tokens_per_s: float = Field(ge=0)
+    tokens_per_s: float = Field(ge=0, le=MAX_BATCH_RATE * 1e3)
 
 
 class EvaluateMode(BaseModel):
     model_config = RESULT_FIELDS
-    steps: dict[str, ModeSteps]
+    steps: dict[BatchText, ModeSteps]  # by batch size
+
+    @model_validator(mode="after")
+    def _keyed_by_batch(self) -> EvaluateMode:
+        for key, s in self.steps.items():
+            if int(key) != s.batch:
+                raise ValueError(f"'steps.{key}' holds batch size {s.batch}; each entry sits under its own batch size")
+        return self
 
 
 class EvaluateResult(BaseModel):

@@ -3,9 +3,9 @@ the one-slot layer reuses (``vllm_cpu_gdn_paths``, ``is_conv_state_dim_first``),
 core runs behind (``direct_register_custom_op``, the forward context's ``no_compile_layers``), the
 rejection sampler's ``expand_batch_to_tokens`` we replace, and ``CPUFusedMOE.check_grouped_gemm``."""
 
-import os
 
 import torch
+from ...seeds import fresh_seed
 
 
 def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
@@ -24,7 +24,7 @@ def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
     for key, params in expected.items():
         assert list(inspect.signature(getattr(cpu, key)).parameters) == params, key
     # the views and the decode convolution do what gdn_layer.py assumes, on fresh random data
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)  # fresh every run
+    gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_cpu_gdn_helpers_the_one_sl"))
     slots, dim, width, HV, K, V = 5, 24, 4, 2, 8, 16
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
@@ -65,7 +65,7 @@ def test_cpu_gdn_core_op_calls_the_layer_registered_under_its_name():
     schema = op.default._schema
     assert [a.name for a in schema.arguments] == ["mixed_qkv", "b", "a", "core_attn_out", "layer_name"]
     assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["core_attn_out"]
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little") >> 1)
+    gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_cpu_gdn_core_op_calls_the"))
     x, b, a = (torch.randn(5, n, generator=gen) for n in (12, 3, 3))
 
     class Layer:
@@ -94,7 +94,7 @@ def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics()
         "x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]
     source = inspect.getsource(rejection_sampler.apply_sampling_constraints)
     assert "temperature = expand_batch_to_tokens(" in source
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_expand_batch_to_tokens_rep"))
     counts = torch.randint(0, 5, (9,), generator=gen)
     x = torch.rand(9, generator=gen) + 0.1
     x[3] = 0.0
@@ -125,8 +125,7 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
     check = module.CPUFusedMOE.check_grouped_gemm
     assert getattr(check, "__hspec_wrapped__", False)
     original = check.__wrapped__
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
+    seed = fresh_seed("vllm_contract_cpu_moe_kernel_choice_keep")
     torch.manual_seed(seed)
     hidden, experts, tokens, top_k = 128, 8, 5, 2
     has_grouped_gemm = hasattr(torch.ops._C, "prepack_moe_weight")  # vLLM's own test in check_grouped_gemm

@@ -25,6 +25,7 @@ from vllm_hybridspec.engine.length.selector import LengthSelector
 from vllm_hybridspec.engine.drafting.kv_cache import paged_kv_views
 
 from ...tiny_models import MASK, tiny_qwen3_config
+from ...seeds import fresh_seed
 
 K = 7
 
@@ -190,7 +191,8 @@ def test_upcast_ssm_parameters_and_reload_round_as_loaded():
     for n, p in m.named_parameters():
         assert torch.equal(p.float(), before[n].float())  # the same numbers
     name = "layers.0.mamba.A_log"
-    fresh = torch.randn(before[name].shape, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(fresh_seed("draft_round_reload"))
+    fresh = torch.randn(before[name].shape, dtype=torch.float32, generator=gen)
     m.load_weights([(name, fresh)])
     assert torch.equal(m.get_parameter(name), fresh.to(torch.bfloat16).float())
 
@@ -201,10 +203,11 @@ def test_fixed_length_selection_counts(fixed):
     w_rem = torch.tensor([1, 2, 5, 8, 8], dtype=torch.int64)
     drafts = torch.zeros(5, K, dtype=torch.int64)
     ids = list("abcde")
-    w = sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids).w
+    gen = torch.Generator().manual_seed(fresh_seed("draft_round_fixed_length"))
+    w = sel.select(drafts, torch.rand(5, K, generator=gen), torch.rand(5, K, generator=gen), w_rem, ids).w
     want = torch.minimum(torch.full_like(w_rem, fixed), w_rem)
     assert w.dtype == torch.int32 and w.tolist() == want.tolist()
-    sel.select(drafts, torch.rand(5, K), torch.rand(5, K), w_rem, ids)
+    sel.select(drafts, torch.rand(5, K, generator=gen), torch.rand(5, K, generator=gen), w_rem, ids)
     counts = torch.zeros(K + 2, dtype=torch.int64)
     counts.index_add_(0, want, torch.full_like(want, 2))
     assert sel.length_counts.tolist() == counts.tolist()

@@ -4,7 +4,6 @@ builder lays out a batch (``layout.StepLayout``), and the lazy commit over many 
 float64 recurrence, with the planted bugs it catches."""
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from vllm_hybridspec.engine.gdn.enable import gdn_kernel_enabled, one_slot_state_shape
 
 from ...kernels.gdn_inputs import rel_err
+from ...seeds import fresh_seed
 
 
 def vllm_config(k=3, options=None, ssm="float32", mode="none", dtype=torch.bfloat16, tp=1, eager=True,
@@ -563,7 +563,7 @@ def test_lazy_commit_over_many_steps_equals_the_float64_recurrence(kernels, step
     """CPU path (torch references) and kernel path (``gdn_commit_verify`` and ``gdn_commit`` in Triton's
     interpreter; with ``fused_conv``, ``spec_conv`` too): every round's outputs and every state vLLM's
     path reads equal the recurrence."""
-    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    seed = fresh_seed("layer_lazy_commit_over_many_steps_equals")
     err, stats = simulate(seed, kernels, steps, fused_conv=fused_conv)
     print(f"seed {seed}: worst relative error {err:.2e}, {stats}")
     assert err < 2e-5, (seed, err)
@@ -577,7 +577,7 @@ def test_the_lazy_commit_check_catches_planted_bugs(kernels, corrupt):
     """Negative controls: the same check fails, by orders of magnitude, when a round commits one token
     too few, the conv window is not shifted by the committed inputs, or the one-launch conv
     (``"gdn_fused_conv"``) shifts it by one input too few."""
-    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    seed = fresh_seed("layer_the_lazy_commit_check_catches_plan")
     err, _ = simulate(seed, kernels, 24 if kernels else 40, corrupt=corrupt, fused_conv=kernels)
     print(f"{corrupt}, seed {seed}: worst relative error {err:.2e}")
     assert err > 1e-2, (seed, err)
@@ -604,7 +604,7 @@ def test_the_in_engine_self_check_agrees_with_the_layer_and_flags_a_planted_bug(
             return sampled(self, out)
 
         monkeypatch.setattr(PendingRounds, "sampled", checked_then_sampled)
-    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    seed = fresh_seed("layer_checked_then_sampled")
     simulate(seed, kernels, 20 if kernels else 30, corrupt=corrupt)
     worst = check._state["worst"]
     print(f"kernels={kernels} corrupt={corrupt} seed {seed}: self-check worst {worst:.2e} over "
@@ -626,7 +626,7 @@ def test_conv_taps_are_never_cached_inside_a_cuda_graph_capture(monkeypatch):
     from vllm_hybridspec.engine.gdn.pending import PendingRounds, attach
     from vllm_hybridspec.engine.gdn.runner import clean_plan_before_dummy_run
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen = torch.Generator().manual_seed(fresh_seed("layer_conv_taps_are_never_cached_inside"))
     layer = bare_layer(gen, 2, 4, 16, 16, 4, 6, 3, 4, kernels=True)
     weight = vllm_cpu_gdn_paths().conv_weight(layer)
     want = weight.double().T
@@ -675,7 +675,7 @@ def test_a_record_made_inside_a_capture_is_checked_only_after_a_forward_refreshe
 
     monkeypatch.setenv(check.CHECK_ENV, "graph")
     monkeypatch.setattr(check, "_state", {"calls": 0, "worst": 0.0})
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    gen = torch.Generator().manual_seed(fresh_seed("layer_a_record_made_inside_a_capture_is"))
     HK, HV, K, V, width, slots, seqs, S = 2, 4, 16, 16, 4, 8, 3, 4
     layer = bare_layer(gen, HK, HV, K, V, width, slots, seqs, S, kernels=False)
     conv_dim, T = 2 * HK * K + HV * V, 8

@@ -47,7 +47,7 @@ def test_route_tokens_sends_each_cut_token_to_its_rows_first_token():
     gathered = logits[torch.tensor(want[: logits.shape[0]])]
     cut.active = True  # an eager forward of a step that cuts
     assert torch.equal(cut.route(logits), gathered)
-    assert cut.route(torch.randn(300, 8)).shape == (300, 8)  # larger than the buffers: untouched
+    assert cut.route(torch.randn(300, 8, generator=gen)).shape == (300, 8)  # larger than the buffers: untouched
     # a graph captured for a step that may cut gathers whatever the capture's own step does
     cut.active = False
     assert torch.equal(cut.route(logits, capturing=True), gathered)

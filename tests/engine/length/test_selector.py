@@ -11,13 +11,14 @@ from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.policy.acceptance import FEATURES
 from vllm_hybridspec.policy.policy_file import Policy, PolicyFile, save_policy
 from vllm_hybridspec.engine.length.selector import LengthSelector, draft_signals, remaining_budget
+from ...seeds import fresh_seed
 
 K = 7
 
 
 @pytest.fixture
 def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    return torch.Generator().manual_seed(fresh_seed("selector_gen"))
 
 
 def policy_file(tmp_path, gate=None, batched=False, routing_topk=None):
@@ -87,7 +88,8 @@ def test_batched_mode_shares_one_length_except_where_the_budget_cuts(tmp_path, g
 def test_fixed_length_and_gate(tmp_path, gen):
     selector = LengthSelector(HybridSpecOptions(fixed_length=5), K, torch.device("cpu"), max_num_reqs=8)
     w_rem = torch.tensor([1, 3, 5, 8])
-    w = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), torch.rand(4, K), w_rem,
+    w = selector.select(torch.zeros(4, K, dtype=torch.long), torch.rand(4, K, generator=gen),
+                        torch.rand(4, K, generator=gen), w_rem,
                         list("abcd")).w
     assert w.tolist() == [1, 3, 5, 5] and selector.speculate(1000)  # no policy: no gate
     gated = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: True, 8: False})), K,

@@ -7,6 +7,7 @@ gate (``gate.py``: vLLM's dynamic speculative decoding, ``Scheduler.dynamic_sd_l
 ``VllmConfig``'s PIECEWISE switch, ``GPUModelRunner._bookkeeping_sync``)."""
 
 import torch
+from ...seeds import fresh_seed
 
 
 def test_symbols_the_length_trimming_relies_on_keep_their_shape():
@@ -75,7 +76,7 @@ _fake_runner = _FakeRunner
 def test_sync_trimming_empties_a_gated_steps_draft_lists():
     from vllm_hybridspec.engine.length.trimming import _trimmed_draft_lists
 
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_sync_trimming_empties_a_ga"))
     n, k = 6, 5
     drafts = torch.randint(0, 100, (n, k), generator=gen)
     req_ids = [f"r{i}" for i in range(n)]
@@ -99,7 +100,7 @@ def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_d
 
     from vllm_hybridspec.engine.length.trimming import _trimmed_update_states
 
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_async_trimming_of_a_gated"))
     k, req_ids = 7, ["a", "b", "c", "d"]
     drafts = torch.randint(0, 100, (4, k), generator=gen)
 
@@ -236,5 +237,5 @@ def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():
 def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
     from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
 
-    t = torch.randint(0, 8, (5,), dtype=torch.int32)
+    t = torch.arange(5, dtype=torch.int32)
     assert broadcast_from_tp_rank0(t) is t

@@ -25,14 +25,14 @@ from vllm_hybridspec.engine.replay.data import (
 from vllm_hybridspec.engine.replay.lookup import COUNTERS, ReplayLookup
 from vllm_hybridspec.policy.errors import InputError
 from vllm_hybridspec.policy.records import RoundRecord, save_records
+from ...seeds import fresh_seed
 
 VOCAB = 96
 
 
 @pytest.fixture
 def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")
+    seed = fresh_seed("replay_rng")
     return np.random.default_rng(seed)
 
 
