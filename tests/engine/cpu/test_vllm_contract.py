@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from vllm_hybridspec.engine import patches
+
 
 def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
     import inspect
@@ -157,3 +159,28 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
                 gate, up = (layer.w13_weight[e].double() @ x[t].double()).split(inter)
                 ref[t] += float(weights[t, j]) * (layer.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_the_amx_conv_decisions_the_cpu_rows_wrap_are_where_they_were():
+    """The rows ``cpu: utils.dispatch_cpu_unquantized_gemm`` and
+    ``cpu: gdn_attention._cpu_gdn_attention_nonspec`` of ``engine/patches.py`` assume: vLLM prepacks a
+    conv weight (any weight that is not 2-D) only behind ``torch.cpu._is_amx_tile_supported()`` and
+    otherwise leaves it alone; the GDN core picks the AMX conv kernels by that one call, and its other
+    branch is the torch convolution on the weight as loaded."""
+    import inspect
+    import re
+
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    rows = {r.attr: r.name for r in patches.rows(feature="cpu")}
+    dispatch = re.sub(r"\s+", "", inspect.getsource(patches.original_of(utils.dispatch_cpu_unquantized_gemm)))
+    conv_branch = dispatch.split("iflayer.weight.ndim!=2:", 1)[-1].split("N,K=layer.weight.size()", 1)[0]
+    assert ("iftorch.cpu._is_amx_tile_supported():" in conv_branch
+            and "ops.causal_conv1d_weight_pack(" in conv_branch and conv_branch.rstrip().endswith("return")), (
+        f"vLLM changed the conv branch of dispatch_cpu_unquantized_gemm: row {rows['dispatch_cpu_unquantized_gemm']!r}")
+    nonspec = re.sub(r"\s+", "", inspect.getsource(patches.original_of(gdn_attention._cpu_gdn_attention_nonspec)))
+    ok = (nonspec.count("_is_amx_tile_supported") == 1 and "is_amx=torch.cpu._is_amx_tile_supported()" in nonspec
+          and nonspec.count("causal_conv1d_torch(") == 1 and nonspec.count("causal_conv1d_update_torch(") == 1
+          and "conv_weights=layer.conv1d.weight.view(" in nonspec)
+    assert ok, f"vLLM changed how _cpu_gdn_attention_nonspec picks its conv: row {rows['_cpu_gdn_attention_nonspec']!r}"
