@@ -142,7 +142,7 @@ def test_the_loaded_vllm_holds_the_plugin_only_where_the_table_says():
     table = {(r.owner, r.attr) for r in patches.PATCHES}
     assert sorted(patches.reaches_in_vllm() - table) == []
     applied = [r for r in patches.rows(when=_applicable()) if r.kind not in ("per_call", "state")]
-    assert len(applied) == 31
+    assert len(applied) == 33
     assert [r.name for r in applied if not patches.is_applied(r)] == []
 
 
@@ -177,7 +177,7 @@ def test_rows_are_well_formed():
         assert bool(r.by) == (r.kind not in ("per_call", "state")), r.name
         assert bool(r.key) == (r.kind == "register"), r.name
         assert r.owner.split(".")[0].split(":")[0] == "vllm" and r.replaces, r.name
-    assert len(patches.PATCHES) == 43
+    assert len(patches.PATCHES) == 45
 
 
 def test_hooks_run_in_the_tables_order_with_the_arguments_they_name():

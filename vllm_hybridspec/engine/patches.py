@@ -215,6 +215,15 @@ PATCHES: tuple[Reach, ...] = (
          f"{_ENGINE}.cpu.patches:torch_moe_where_vec_cannot", ("self", "layer"),
          "the vec grouped-GEMM MoE kernel aborts for intermediate sizes that are not multiples of 32: torch path",
          when="cpu"),
+    _row("cpu", "vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "wrap",
+         f"{_ENGINE}.cpu.patches:conv_weights_prepacked_only_for_bf16", ("layer", "remove_weight"),
+         "on AMX CPUs every conv weight is prepacked for the AMX causal-conv kernel, which has no float32 path "
+         "(a float32 hybrid dies at load): float32 conv weights stay as on CPUs without AMX", when="cpu"),
+    _row("cpu", "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec", "wrap",
+         f"{_ENGINE}.cpu.patches:torch_conv_for_unpacked_weights",
+         ("layer", "attn_metadata_i", "mixed_qkv", "b", "a", "core_attn_out"),
+         "picks the AMX causal-conv kernels by torch.cpu._is_amx_tile_supported() alone: a layer with an unpacked "
+         "(float32) conv weight takes vLLM's torch branch", when="cpu"),
     _row("cpu", "vllm._custom_ops", "fused_gdn_gating_cpu", "replace", f"{_ENGINE}.cpu.ops:fused_gdn_gating_cpu",
          ("A_log", "a", "b", "dt_bias"), "vLLM's CPU GDN ops fail on these machines: exact torch versions",
          when="cpu"),

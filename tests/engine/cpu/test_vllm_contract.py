@@ -7,6 +7,8 @@ rejection sampler's ``expand_batch_to_tokens`` we replace, and ``CPUFusedMOE.che
 import torch
 from ...seeds import fresh_seed
 
+from vllm_hybridspec.engine import patches
+
 
 def test_cpu_gdn_helpers_the_one_slot_layer_reuses_keep_their_shape():
     import inspect
@@ -156,3 +158,53 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
                 gate, up = (layer.w13_weight[e].double() @ x[t].double()).split(inter)
                 ref[t] += float(weights[t, j]) * (layer.w2_weight[e].double() @ (torch.nn.functional.silu(gate) * up))
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def _amx_conv_problems(dispatch_source: str, nonspec_source: str) -> list[str]:
+    """What breaks the rows ``cpu: utils.dispatch_cpu_unquantized_gemm`` and
+    ``cpu: gdn_attention._cpu_gdn_attention_nonspec`` of ``engine/patches.py`` in vLLM's source of the
+    two functions, each problem naming its row."""
+    import re
+
+    rows = {r.attr: r.name for r in patches.rows(feature="cpu")}
+    problems = []
+    dispatch = re.sub(r"\s+", "", dispatch_source)
+    conv_branch = dispatch.split("iflayer.weight.ndim!=2:", 1)[-1].split("N,K=layer.weight.size()", 1)[0]
+    if not ("iftorch.cpu._is_amx_tile_supported():" in conv_branch and "ops.causal_conv1d_weight_pack(" in conv_branch
+            and conv_branch.endswith("return")):
+        problems.append(f"vLLM changed the conv branch of dispatch_cpu_unquantized_gemm: row "
+                        f"{rows['dispatch_cpu_unquantized_gemm']!r}")
+    nonspec = re.sub(r"\s+", "", nonspec_source)
+    decided_once = re.search(r"^\s*is_amx = torch\.cpu\._is_amx_tile_supported\(\)\s*$", nonspec_source, re.M)
+    if not (nonspec.count("_is_amx_tile_supported") == 1 and decided_once
+            and nonspec.count("causal_conv1d_torch(") == 1 and nonspec.count("causal_conv1d_update_torch(") == 1
+            and "conv_weights=layer.conv1d.weight.view(" in nonspec):
+        problems.append(f"vLLM changed how _cpu_gdn_attention_nonspec picks its conv: row "
+                        f"{rows['_cpu_gdn_attention_nonspec']!r}")
+    return problems
+
+
+def test_the_amx_conv_decisions_the_cpu_rows_wrap_are_where_they_were():
+    """The two AMX conv rows assume: vLLM prepacks a conv weight (any weight that is not 2-D) only
+    behind ``torch.cpu._is_amx_tile_supported()`` and otherwise leaves it alone; the GDN core picks the
+    AMX conv kernels by that one call, and its other branch is the torch convolution on the weight as
+    loaded. Negative control: a changed source of either fails naming its row."""
+    import inspect
+
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    dispatch = inspect.getsource(patches.original_of(utils.dispatch_cpu_unquantized_gemm))
+    nonspec = inspect.getsource(patches.original_of(gdn_attention._cpu_gdn_attention_nonspec))
+    assert _amx_conv_problems(dispatch, nonspec) == []
+    planted = {
+        "dispatch_cpu_unquantized_gemm": (dispatch.replace("torch.cpu._is_amx_tile_supported()", "True"), nonspec),
+        "_cpu_gdn_attention_nonspec": (dispatch, nonspec.replace(
+            "is_amx = torch.cpu._is_amx_tile_supported()",
+            "is_amx = torch.cpu._is_amx_tile_supported() or layer.conv1d.weight.dtype == torch.float32")),
+    }
+    for attr, sources in planted.items():
+        assert sources != (dispatch, nonspec), attr  # the planted change is in the source
+        problems = _amx_conv_problems(*sources)
+        row = next(r.name for r in patches.rows(feature="cpu") if r.attr == attr)
+        assert len(problems) == 1 and f"row {row!r}" in problems[0], problems

@@ -9,31 +9,31 @@ import torch
 
 
 def test_paged_kv_views_read_what_the_cpu_backend_writes():
-    """K/V written by vLLM's own CPU cache op come back through our views, for both CPU layouts."""
+    """K/V written by vLLM's own CPU cache op come back through our views, for the layout vLLM picks on
+    this machine (``_get_attn_isa``) and for every x86 layout the drafter decodes (``vec``, ``vec16``,
+    ``amx``: the cache op is a layout op that runs on any x86 CPU)."""
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_hybridspec.engine.drafting.kv_cache import paged_kv_views
+    from vllm_hybridspec.engine.drafting.kv_cache import block_size_of, gather_blocks, paged_kv_views
 
     gen = torch.Generator().manual_seed(0)
-    checked = 0
-    for dtype, block_size, head in ((torch.float32, 128, 32), (torch.float32, 16, 32), (torch.bfloat16, 32, 64)):
-        isa = _get_attn_isa(dtype, block_size, head)
-        if isa not in ("vec", "vec16"):
-            continue  # AMX machines: not decoded (paged_kv_views raises)
+    cases = [(dtype, block_size, head, _get_attn_isa(dtype, block_size, head))
+             for dtype, block_size, head in ((torch.float32, 128, 32), (torch.float32, 16, 32), (torch.bfloat16, 32, 64))]
+    cases += [(torch.float32, 32, 64, "vec"), (torch.bfloat16, 32, 80, "vec16"), (torch.bfloat16, 32, 64, "amx")]
+    for dtype, block_size, head, isa in cases:
         heads, num_blocks, T = 2, 4, 2 * block_size + 3
         kv_cache = torch.zeros(num_blocks, heads, block_size, 2 * head, dtype=dtype)
         keys, values = paged_kv_views(kv_cache, "CPU_ATTN", head, isa)
+        assert block_size_of(keys) == block_size_of(values) == block_size
         k = torch.randn(T, heads, head, generator=gen).to(dtype)
         v = torch.randn(T, heads, head, generator=gen).to(dtype)
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:T]
         ops.cpu_attn_reshape_and_cache(k, v, *kv_cache.view(num_blocks, heads, 2 * block_size, head).chunk(2, dim=2),
                                        slots, isa)
-        blocks, offsets = slots // block_size, slots % block_size
-        assert torch.equal(keys[blocks, :, offsets], k), (dtype, block_size, isa)
-        assert torch.equal(values[blocks, :, offsets], v), (dtype, block_size, isa)
-        checked += 1
-    assert checked, "no CPU cache layout was checked on this machine"
+        for view, want in ((keys, k), (values, v)):
+            every_slot = gather_blocks(view, torch.arange(num_blocks)[None], torch.arange(heads), num_blocks * block_size)
+            assert torch.equal(every_slot[0][:, slots].transpose(0, 1), want), (dtype, block_size, isa)
 
 
 def test_the_dflash_branch_passes_the_step_k_and_the_anchor():

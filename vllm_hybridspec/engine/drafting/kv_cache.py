@@ -9,13 +9,24 @@ import torch
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``cache`` ``[num_blocks, kv_heads, block_size, D]``, ``blocks`` ``[N, n_blocks]`` long,
-    ``heads`` ``arange(kv_heads)`` long -> ``[N, kv_heads, capacity, D]``: one gather kernel that
+    """``cache`` a view of :func:`paged_kv_views` (``[num_blocks, kv_heads, block_size, D]``, or the
+    AMX layout's ``[num_blocks, kv_heads, block_size / b, b, D / h, h]``), ``blocks`` ``[N, n_blocks]``
+    long, ``heads`` ``arange(kv_heads)`` long -> ``[N, kv_heads, capacity, D]``: one gather kernel that
     writes the ``[N, kv_heads, n_blocks, block_size, D]`` layout directly (``cache[blocks]`` followed
     by a transpose would copy twice)."""
-    x = cache[blocks[:, None, :], heads[None, :, None]]  # [N, kv_heads, n_blocks, block_size, D]
-    N, n_heads, n_blocks, block_size, D = x.shape
-    return x.reshape(N, n_heads, n_blocks * block_size, D)[:, :, :capacity]
+    x = cache[blocks[:, None, :], heads[None, :, None]]  # [N, kv_heads, n_blocks, *token axes, *head axes]
+    N, n_heads = x.shape[:2]
+    return x.reshape(N, n_heads, -1, head_size_of(cache))[:, :, :capacity]
+
+
+def block_size_of(view: torch.Tensor) -> int:
+    """The tokens per block of a K or V view of :func:`paged_kv_views`."""
+    return view.shape[2] if view.dim() == 4 else view.shape[2] * view.shape[3]
+
+
+def head_size_of(view: torch.Tensor) -> int:
+    """The head size of a K or V view of :func:`paged_kv_views`."""
+    return view.shape[-1] if view.dim() == 4 else view.shape[-2] * view.shape[-1]
 
 
 def kv_halves_of(kv_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -56,17 +67,20 @@ def kv_heads_recoverable(per_rank: int, tp_size: int, total_heads: int) -> bool:
 
 
 def paged_kv_views(kv_cache, backend_name: str, head_size: int, cpu_isa: str | None = None):
-    """The key and value views of one layer's paged KV cache, each
-    ``[num_blocks, kv_heads, block_size, head_size]`` (strided views, no copy).
+    """The key and value views of one layer's paged KV cache (strided views, no copy), each
+    ``[num_blocks, kv_heads, block_size, head_size]``, or for the AMX layout
+    ``[num_blocks, kv_heads, block_size / b, b, head_size / h, h]`` (:func:`amx_kv_views`; token
+    ``t = t1 * b + t0``, dimension ``d = d1 * h + d0``; :func:`gather_blocks`, :func:`block_size_of` and
+    :func:`head_size_of` read both).
 
     vLLM 0.26's backends all allocate the logical shape ``(num_blocks, kv_heads, block_size,
     2 * head_size)`` (``get_kv_cache_shape``) but split it differently: ``FLASH_ATTN`` and
     ``TRITON_ATTN`` split the last axis into ``[K | V]``; ``CPU_ATTN``
     (``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackendImpl.forward``) views it as
     ``(num_blocks, kv_heads, 2 * block_size, head_size)`` and chunks the token axis, and its
-    ``cpu_attn_reshape_and_cache`` op stores the key block transposed, ``[head_size, block_size]``, for
-    the ``vec``/``vec16`` kernels (``cpu_isa``, the target layer's ``impl.isa``; the AMX and other
-    layouts are not decoded here)."""
+    ``cpu_attn_reshape_and_cache`` op stores each half as the kernel of ``cpu_isa`` (the target layer's
+    ``impl.isa``) reads it: for ``vec``/``vec16`` the key block transposed, ``[head_size, block_size]``,
+    and the value block as it is; for ``amx`` in AMX tiles (:func:`amx_kv_views`)."""
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         raise RuntimeError(
             f"vLLM changed: expected a {backend_name} KV cache of shape (num_blocks, kv_heads, "
@@ -74,10 +88,13 @@ def paged_kv_views(kv_cache, backend_name: str, head_size: int, cpu_isa: str | N
         )
     num_blocks, kv_heads, block_size, _ = kv_cache.shape
     if backend_name == "CPU_ATTN":
+        if cpu_isa == "amx":
+            return amx_kv_views(kv_cache)
         if cpu_isa not in ("vec", "vec16"):
             raise NotImplementedError(
                 f"the H-Spec drafter cannot read vLLM's CPU KV cache layout for isa={cpu_isa!r} "
-                "(only 'vec' and 'vec16'; AMX is chosen for bf16 on AMX CPUs: use float32 there)"
+                "(only 'vec', 'vec16' and 'amx', the x86 layouts; the ARM, RISC-V, POWER and s390x ones are not "
+                "decoded)"
             )
         keys = kv_cache.view(num_blocks, kv_heads, 2, head_size, block_size)[:, :, 0].transpose(-1, -2)
         values = kv_cache.view(num_blocks, kv_heads, 2, block_size, head_size)[:, :, 1]
@@ -89,6 +106,49 @@ def paged_kv_views(kv_cache, backend_name: str, head_size: int, cpu_isa: str | N
         f"backend; the target's full-attention layers use {backend_name} (choose one with "
         "--attention-backend)"
     )
+
+
+# vLLM 0.26 csrc/cpu/cpu_attn_amx.hpp: a tile row is 64 bytes, a B tile's N is 16 (64 bytes / 4), and
+# the dot product (tdpbf16ps) pairs 4 / sizeof(bf16) = 2 consecutive elements of its K axis
+AMX_TILE_ROW_BYTES = 64
+AMX_B_TILE_N = AMX_TILE_ROW_BYTES // 4
+AMX_PAIR = 2
+
+
+def amx_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value views of a bf16 KV cache ``(num_blocks, kv_heads, block_size, 2 * head_size)``
+    in the layout vLLM 0.26's ``AttentionImpl<ISA::AMX>::reshape_and_cache`` (``csrc/cpu/cpu_attn_amx.hpp``)
+    writes, each half being ``block_size * head_size`` elements of one (block, head):
+
+    - keys ``[block_size / 16, head_size / 2, 16, 2]``: tokens in groups of 16 (the B tile's N), and
+      within a group each token's dimension pair ``(2p, 2p + 1)`` is one 4-byte quad-word, so
+      ``key[t, d]`` is at ``[t // 16, d // 2, t % 16, d % 2]``;
+    - values ``[head_size / 16, block_size / 2, 16, 2]``: dimensions in groups of 16, and within a
+      group the token pair ``(2s, 2s + 1)`` of one dimension is one quad-word, so ``value[t, d]`` is at
+      ``[d // 16, t // 2, d % 16, t % 2]``.
+
+    Returned as ``[num_blocks, kv_heads, block_size / b, b, head_size / h, h]`` strided views (keys
+    ``b = 16, h = 2``; values ``b = 2, h = 16``) whose axes run in token-then-dimension order."""
+    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
+    D = two_d // 2
+    if kv_cache.element_size() != 2 or block_size % (2 * AMX_B_TILE_N) or D % AMX_B_TILE_N:
+        raise NotImplementedError(
+            f"vLLM's AMX KV cache layout is decoded for 2-byte (bf16) caches with a block size divisible by "
+            f"32 and a head size divisible by 16; got {kv_cache.dtype}, block size {block_size}, head size {D}"
+        )
+    s_block, s_head = kv_cache.stride(0), kv_cache.stride(1)
+    if kv_cache.stride(3) != 1 or kv_cache.stride(2) != two_d:
+        raise RuntimeError(f"vLLM changed: expected a contiguous (block_size, 2 * head_size) page per head, got "
+                           f"strides {kv_cache.stride()}")
+    n, pair = AMX_B_TILE_N, AMX_PAIR
+    offset = kv_cache.storage_offset()
+    keys = kv_cache.as_strided(
+        (num_blocks, kv_heads, block_size // n, n, D // pair, pair),
+        (s_block, s_head, n * D, pair, n * pair, 1), offset)
+    values = kv_cache.as_strided(
+        (num_blocks, kv_heads, block_size // pair, pair, D // n, n),
+        (s_block, s_head, n * pair, 1, block_size * n, pair), offset + block_size * D)
+    return keys, values
 
 
 def tp_all_gather(tensor, dim: int):

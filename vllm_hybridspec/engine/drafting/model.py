@@ -28,6 +28,7 @@ from vllm_hybridspec.drafter.layers import DraftBlock, HSpecLayer, StateInjectio
 from vllm_hybridspec.drafter.mamba2 import GatedGroupRMSNorm, Mamba2Mixer
 from vllm_hybridspec.engine.drafting.kv_cache import (
     all_kv_heads,
+    block_size_of,
     gather_blocks,
     kv_halves_of,
     kv_heads_recoverable,
@@ -210,7 +211,7 @@ class HSpecForVLLM(nn.Module):
         caches = [self._reader_caches(reader) for reader in self.kv_readers]
         if not caches or any(c is None for c in caches):
             return None
-        return min(k_cache.shape[2] for _, k_cache, _ in caches)
+        return min(block_size_of(k_cache) for _, k_cache, _ in caches)
 
     def gather_prefix_kv(
         self, block_table: torch.Tensor, capacity: int, prefix_lens: torch.Tensor | None = None
@@ -238,7 +239,7 @@ class HSpecForVLLM(nn.Module):
                 out.append((empty, empty))
                 continue
             kv_cache, k_cache, v_cache = caches
-            block_size = k_cache.shape[2]
+            block_size = block_size_of(k_cache)
             if block_size not in blocks:
                 blocks[block_size] = block_table[:, : -(-capacity // block_size)].long()  # [N, n_blocks]
             heads = self._arange(k_cache.shape[1], block_table.device)
