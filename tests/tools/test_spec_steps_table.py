@@ -93,3 +93,23 @@ def test_the_table_names_one_precision_and_gpu_and_refuses_inputs_that_mix_them(
         spec_steps_table(ours, plain, [], "s", "c", precision="bfloat16")
     with pytest.raises(ValueError, match="precision is not recorded in every input: name it with --precision"):
         spec_steps_table({"rows": [row(1, 4, 5.0)]}, {"rows": [{"B": 1, "ms": 2.0}]}, [], "s", "c")
+
+
+def test_the_plot_has_a_panel_per_batch_size(tmp_path):
+    """``spec-steps-table --plot``: a PNG with one panel per batch size (its width grows with their number)."""
+    from PIL import Image
+
+    from vllm_hybridspec.tools.spec_steps import plot_table
+
+    spec = {"speculative_config": {"num_speculative_tokens": 15}}
+    sizes = {}
+    for batches in ((1,), (1, 4)):
+        ours = {"rows": [row(b, w, 3.0 + w / 4 * b, drafts=d) for b in batches for w in (1, 2, 16)
+                         for d in ("model", "spread")]}
+        plain = {"rows": [{"B": b, "ms": 2.5} for b in batches]}
+        vllm = {**spec, "rows": [row(b, 16, 9.0, drafts="spread") for b in batches]}
+        table = spec_steps_table(ours, plain, [vllm], "s", "c", layers=40, **ID)
+        path = tmp_path / f"p{len(batches)}.png"
+        plot_table(table, path)
+        sizes[len(batches)] = Image.open(path).size
+    assert sizes[2][0] > 1.8 * sizes[1][0] and sizes[2][1] == sizes[1][1]

@@ -384,6 +384,38 @@ def _mode(row: dict) -> str:
     return mode if n == sum(counts.values()) else f"mostly {mode}"
 
 
+def plot_table(table: dict, path: Path) -> None:
+    """ms per step against w, one panel per batch size: ours per draft kind (selected lengths cut on the
+    device), vLLM's verify-all step at K + 1 as a point, plain decoding's step as a line (the table's runs
+    share one precision and GPU, named in the title)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["B"] for r in table["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        rows = [r for r in table["rows"] if r["B"] == b and r["trimmed"]]
+        for kind, marker in (("model", "o"), ("spread", "s")):
+            pts = sorted((r["w"], r["ours_ms"]) for r in rows if r["drafts"] == kind)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=f"ours ({kind} drafts)")
+            v = [(r["w"], r["vllm_ms"]) for r in rows if r["drafts"] == kind and r["vllm_ms"] is not None]
+            if v:
+                ax.scatter(*zip(*v), marker="x", s=60, zorder=3, label=f"vLLM's GDN path ({kind} drafts)")
+        if str(b) in table["plain_ms"]:
+            ax.axhline(table["plain_ms"][str(b)], color="gray", linestyle="--", label="plain decoding")
+        ax.set(title=f"B = {b}", xlabel="verified tokens per request (w)", ylabel="ms per step", ylim=(0, None))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{table.get('layers', '?')} layers, {table.get('precision', '?')}, {table.get('gpu', '?')}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def spec_steps_table_command(
     ours: Path = typer.Option(..., help="spec-steps JSON of our engine"),
     plain: Path = typer.Option(..., help="spec-steps JSON of a plain engine"),
@@ -398,6 +430,7 @@ def spec_steps_table_command(
                                          "record it; must agree with those that do"),
     gpu: str | None = typer.Option(None, help="the GPU the runs were measured on, where the inputs do not record it"),
     out: Path = typer.Option(..., help="the table JSON to write"),
+    plot: Path | None = typer.Option(None, help="also a PNG of ms per step against w per batch size"),
 ) -> None:
     """Merge spec-steps results into the spec-step table (``docs/benchmarks/spec_steps.json``)."""
     inputs = [("--ours", ours), ("--plain", plain), *(("--vllm", p) for p in vllm)]
@@ -422,3 +455,6 @@ def spec_steps_table_command(
         raise typer.BadParameter(str(e)) from None
     write_text_atomic(out, json.dumps(table, indent=1) + "\n")
     typer.echo(f"wrote {out}")
+    if plot is not None:
+        plot_table(table, plot)
+        typer.echo(f"wrote {plot}")
