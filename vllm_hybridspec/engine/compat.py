@@ -2,7 +2,7 @@
 speculative methods, and reaching an engine's runner from outside (in-process tools, worker extensions).
 
 vLLM has no stable internal API. Every reach into it (a wrapper, a replacement, a registration, a write
-of its state) is a row of ``engine/patches.py``, checked against the installed vLLM by
+of its state) is a row of ``engine/patches/table.py``, checked against the installed vLLM by
 ``tests/engine/test_vllm_contract.py``; the functions below only read vLLM's objects.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 SUPPORTED_VLLM = "0.26"
 
 # Set to 1 to run the plugin on a vLLM release other than the supported one (porting work:
-# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches.py that
+# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches/table.py that
 # the release breaks (patches.check_row), each named in a warning, and "hspec" is not refused.
 ANY_VLLM_ENV = "VLLM_HYBRIDSPEC_ANY_VLLM"
 

@@ -241,7 +241,7 @@ def is_hspec_speculative_config(speculative_config) -> bool:
 
 
 def resolved_speculative_config(original):
-    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches.py``).
+    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches/table.py``).
 
     Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
     ``SpeculativeConfig.__post_init__`` rejects unknown methods, so "hspec" has to be translated before
@@ -273,7 +273,7 @@ def hspec_repr(speculative_config) -> str:
 
 
 def speculative_config_repr(original):
-    """The wrapper of ``vllm.config.speculative.SpeculativeConfig.__repr__`` (``engine/patches.py``), which the
+    """The wrapper of ``vllm.config.speculative.SpeculativeConfig.__repr__`` (``engine/patches/table.py``), which the
     engine's start-up line ("Initializing a V1 LLM engine ... speculative_config=...") prints through
     ``VllmConfig.__str__``: an H-Spec configuration runs as vLLM's ``"dflash"`` method (see
     :func:`_resolve_method`) and would otherwise be logged under that name."""

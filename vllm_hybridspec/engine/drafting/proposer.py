@@ -291,12 +291,12 @@ class HSpecProposer(RunnerDFlashProposer):
         self.model.draft(last_hidden, anchors, prefix_kv, prefix_lens, K)
 
 
-# --- the wrapper (a row of engine/patches.py) ------------------------------------------------------
+# --- the wrapper (a row of engine/patches/table.py) ------------------------------------------------------
 
 
 def h_spec_on_the_v1_runner(original):
     """The wrapper of ``vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features``
-    (``engine/patches.py``; the row that replaces the runner's name ``DFlashProposer`` by
+    (``engine/patches/table.py``; the row that replaces the runner's name ``DFlashProposer`` by
     :class:`RunnerDFlashProposer` sits beside it).
 
     Why: dense targets default to the V2 model runner on GPUs, whose speculators are chosen by

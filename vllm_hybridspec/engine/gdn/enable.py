@@ -142,7 +142,7 @@ def one_slot_page_shape(vllm_config, hf_text_config):
 def one_slot_page_size(original):
     """The wrapper of the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
     ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``
-    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches.py``): the one-slot
+    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches/table.py``): the one-slot
     shapes when the layer will be on, vLLM's otherwise.
 
     Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention

@@ -244,7 +244,7 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
     return out
 
 
-# --- the wrappers and hooks (rows of engine/patches.py) ---------------------------------------------
+# --- the wrappers and hooks (rows of engine/patches/table.py) ---------------------------------------------
 
 
 def reset_before_dummy_run(runner) -> None:

@@ -90,7 +90,7 @@ def skips_drafting(runner, scheduler_output, spec_decode_metadata) -> bool:
     return scheduler_output.num_spec_tokens_to_schedule == 0 and spec_decode_metadata is None
 
 
-# --- the wrappers (rows of engine/patches.py) ------------------------------------------------------
+# --- the wrappers (rows of engine/patches/table.py) ------------------------------------------------------
 
 
 def _registered_scheduler(original):

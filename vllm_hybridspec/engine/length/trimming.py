@@ -7,7 +7,7 @@ The decision is made on the host from the batch size, so nothing waits for the d
 lengths never pass here: vLLM schedules every draft and the step verifies the selected prefix on the
 device (``cut.py``). Every wrapper passes through unchanged for a runner without a gated step. The
 wrappers, of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the CPU runner inherits them; rows of
-``engine/patches.py``):
+``engine/patches/table.py``):
 
 * ``_get_draft_token_ids_cpu`` (sync scheduling): the draft lists handed to
   ``Scheduler.update_draft_token_ids`` are empty, so the scheduler schedules, allocates KV for and
