@@ -21,6 +21,8 @@ from vllm_hybridspec.engine.compat import (
     HSPEC_METHOD,
     any_vllm,
     check_vllm_version,
+    has_gdn_layers,
+    is_hspec_speculative_config,
     vllm_speculative_methods,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
@@ -113,11 +115,6 @@ def routing_problem(options, target_hf_config) -> str | None:
                 f"{getattr(cfg, 'scoring_func', None)!r}, n_group={getattr(cfg, 'n_group', None)!r}), whose choices "
                 'Stage 0 counts; give "routing": false')
     return None
-
-
-def has_gdn_layers(target_hf_config) -> bool:
-    """Whether the target has Gated-DeltaNet layers (Qwen3-Next / Qwen3.5 ``layer_types``)."""
-    return "linear_attention" in (getattr(text_config(target_hf_config), "layer_types", None) or ())
 
 
 def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str) -> dict[str, Any]:
@@ -228,16 +225,6 @@ def speculators_to_vllm(config_dict: dict, pre_trained_config: dict) -> None:
         "causal": True,
     }
     pre_trained_config["hspec_config"] = original
-
-
-def is_hspec_speculative_config(speculative_config) -> bool:
-    draft = getattr(speculative_config, "draft_model_config", None)
-    return (
-        speculative_config is not None
-        and speculative_config.method == "dflash"
-        and draft is not None
-        and HSPEC_ARCHITECTURE in (getattr(draft.hf_config, "architectures", None) or [])
-    )
 
 
 def resolved_speculative_config(original):

@@ -234,7 +234,7 @@ def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():
 
 
 def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
-    from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
+    from vllm_hybridspec.engine.compat import broadcast_from_tp_rank0
 
     t = torch.randint(0, 8, (5,), dtype=torch.int32)
     assert broadcast_from_tp_rank0(t) is t

@@ -23,7 +23,7 @@ from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_hybridspec.drafter.layers import DraftBlock
-from vllm_hybridspec.engine.config import is_hspec_speculative_config
+from vllm_hybridspec.engine.compat import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture

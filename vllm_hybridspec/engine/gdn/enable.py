@@ -21,6 +21,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 
+from vllm_hybridspec.engine.compat import has_gdn_layers
 from vllm_hybridspec.engine.options import hybridspec_options, vllm_gdn_path_problem
 from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN
 
@@ -68,8 +69,6 @@ def on_vllm_gdn_path(vllm_config) -> bool:
     """Whether the target has GDN layers and they run vLLM's own spec-decode path: then the target
     must verify every draft (``LengthSelector.configure`` refuses trimmed lengths at run time as
     :func:`gdn_kernel_enabled` does at start)."""
-    from vllm_hybridspec.engine.config import has_gdn_layers
-
     return has_gdn_layers(vllm_config.model_config.hf_config) and not gdn_kernel_enabled(vllm_config)
 
 

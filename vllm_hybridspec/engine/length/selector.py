@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_hybridspec.engine.compat import broadcast_from_tp_rank0
 from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.policy.policy_file import Policy
 from vllm_hybridspec.policy.selector import select_shared_length
@@ -165,8 +166,6 @@ class LengthSelector:
                 expand = self.policy.expansion_table(p, w0, u)
         w = w.to(torch.int32)  # [N]
         if self.options.tp_broadcast:
-            from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
-
             w = broadcast_from_tp_rank0(w)
             if expand is not None:  # as bytes: not every collective backend broadcasts bool tensors
                 expand = broadcast_from_tp_rank0(expand.to(torch.uint8)).bool()

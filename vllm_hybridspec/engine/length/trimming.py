@@ -60,19 +60,6 @@ def trim_to_no_drafts(scheduler_output, req_id_to_index) -> None:
     update_scheduler_for_invalid_drafts(_Ready(), zeros, scheduler_output, req_id_to_index)
 
 
-def broadcast_from_tp_rank0(tensor):
-    """``vllm.distributed.parallel_state.get_tp_group().broadcast``: every TP rank takes rank 0's
-    selected lengths. They become host-side shapes on each rank (scheduled tokens, attention
-    metadata), and ranks that disagreed would issue collectives of different shapes and hang. A
-    no-op without TP (or outside a distributed run)."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state._TP is None:
-        return tensor
-    group = parallel_state.get_tp_group()
-    return tensor if group.world_size == 1 else group.broadcast(tensor, src=0)
-
-
 def _trimmed_draft_lists(original):
     """Sync scheduling: ``GPUModelRunner._get_draft_token_ids_cpu`` with a gated step's rows empty."""
     def _get_draft_token_ids_cpu(self):
