@@ -25,6 +25,9 @@ class RunnerState:
     (``tests/test_import_graph.py``)."""
 
     selector: Any = None  # LengthSelector: the proposer's length selector (engine/length/selector.py)
+    # RoundLayout: the last drafting round's decisions (engine/length/selector.py), set by the proposer when
+    # the round ends and read by the step that verifies it; ended at the next step's sampling
+    round: Any = None
     cut: Any = None  # StepCut: the step's device-side cut (engine/length/cut.py), made with the selector
     capture: Any = None  # RoundCapture: calibration capture (engine/length/capture.py)
     rounds: Any = None  # PendingRounds: the one-slot GDN layer's rounds (engine/gdn/pending.py)

@@ -35,9 +35,13 @@ def selector_of(runner):
     return None if state is None else state.selector
 
 
-def _length_selector(runner):
-    selector = selector_of(runner)
-    return selector if selector is not None and selector.active else None
+def gated_round(runner) -> bool:
+    """Whether the round the runner's next step verifies (``RunnerState.round``) is a gated one with drafts
+    to take out of what vLLM schedules, under an active selector."""
+    state = existing_state(runner)
+    if state is None or state.selector is None or not state.selector.active or state.round is None:
+        return False
+    return state.round.gated_with_drafts
 
 
 class _Ready:
@@ -64,8 +68,7 @@ def _trimmed_draft_lists(original):
     """Sync scheduling: ``GPUModelRunner._get_draft_token_ids_cpu`` with a gated step's rows empty."""
     def _get_draft_token_ids_cpu(self):
         drafts, req_ids = original(self)
-        selector = _length_selector(self)
-        if selector is None or self.use_async_scheduling or not selector.gated_step(self._draft_token_ids):
+        if self.use_async_scheduling or not gated_round(self):
             return drafts, req_ids
         return [[] for _ in drafts], req_ids
 
@@ -78,8 +81,7 @@ def _copied_scheduler_output(original):
     from dataclasses import replace
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        selector = _length_selector(self)
-        if self.use_async_scheduling and selector is not None and selector.gated_step(self._draft_token_ids):
+        if self.use_async_scheduling and gated_round(self):
             scheduler_output = replace(
                 scheduler_output,
                 num_scheduled_tokens=scheduler_output.num_scheduled_tokens.copy(),
@@ -93,8 +95,7 @@ def _trimmed_update_states(original):
     """Async scheduling: ``GPUModelRunner._update_states`` on the scheduler output of a gated step cut
     to no drafts, with ``prev_num_draft_len`` restored to the scheduler's untrimmed counts afterwards."""
     def _update_states(self, scheduler_output):
-        selector = _length_selector(self)
-        if selector is None or not self.use_async_scheduling or not selector.gated_step(self._draft_token_ids):
+        if not self.use_async_scheduling or not gated_round(self):
             return original(self, scheduler_output)
         untrimmed = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
         trim_to_no_drafts(scheduler_output, self.input_batch.req_id_to_index)

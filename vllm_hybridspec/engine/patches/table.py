@@ -138,10 +138,11 @@ PATCHES: tuple[Reach, ...] = (
     hooks_before("length.cut, gdn", f"{RUNNER}._dummy_run", params="self ...",
                  by=("length.cut:reset_before_dummy_run", "gdn.runner:clean_plan_before_dummy_run"),
                  why="profiling runs, warm-ups and graph captures: no cut, a clean GDN plan"),
-    hooks_after("length.capture, gdn", f"{RUNNER}._update_states_after_model_execute",
-                by=("length.capture:capture_after_sampling", "gdn.runner:committed_counts_after_sampling"),
-                params="self output_token_ids scheduler_output",
-                why="the first point of a step with the sampler's output: capture records, GDN commit counts"),
+    hooks_after("length.capture, length.cut, gdn", f"{RUNNER}._update_states_after_model_execute",
+                by=("length.capture:capture_after_sampling", "length.cut:end_round_after_sampling",
+                    "gdn.runner:committed_counts_after_sampling"), params="self output_token_ids scheduler_output",
+                why="the first point of a step with the sampler's output: capture records, the verified round "
+                    "ended, GDN commit counts"),
     # --- length selection (engine/length/) -------------------------------------------------------------
     wrap("length.cut", f"{RUNNER}._sample", by="length.cut:_cut_sample", params="self logits spec_decode_metadata",
          why="the rejection sampler with each row's bonus token sampled at its cut"),
