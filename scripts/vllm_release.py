@@ -11,7 +11,7 @@ build) as a constraint (torchaudio and torchvision follow it), adds the project'
 with ``--no-deps`` and mamba-ssm without its CUDA extensions. The environment lives outside the checkout.
 
 ``check`` runs, with the checkout's package on ``PYTHONPATH`` and that environment's Python: every
-``tests/engine/**/test_vllm_contract.py`` (the rows of ``engine/patches.py`` against the installed vLLM), then
+``tests/engine/**/test_vllm_contract.py`` (the rows of ``engine/patches/table.py`` against the installed vLLM), then
 ``tests/serving/test_greedy_identity.py`` (the plugin's tiny engine against plain vLLM, greedy). It writes
 each pytest's output and a ``summary.json`` (the release, exit codes, failed tests, broken rows) under ``--out``.
 """

@@ -1,13 +1,17 @@
-"""Every reach into vLLM is a row of ``engine/patches.py``, and nothing else in the package reaches in.
+"""Every reach into vLLM is a row of ``engine/patches/table.py``, and nothing else in the package reaches in.
 
-Two checks, each shown to catch a planted reach:
+Three checks, each shown to catch a planted violation:
 
-* in the code (``ast``): outside ``engine/patches.py`` nothing calls ``wrap_once`` or vLLM's registries
+* in the code (``ast``): outside ``engine/patches/`` nothing calls ``wrap_once`` or vLLM's registries
   (``register_oot``, ``register_model``, ``register_speculator``), ``setattr``s on or assigns to an
-  attribute of a name imported from vLLM, and the vLLM attributes the table's ``per_call`` and ``state``
-  rows write are written only at the row's ``site``;
+  attribute of a name imported from vLLM, the vLLM attributes the table's ``per_call`` and ``state``
+  rows write are written only at the row's ``site``, and no other attribute of a vLLM object is written
+  (an instance's included: ``runner.foo = ...``). A vLLM object is known by the names the engine gives
+  them (:data:`VLLM_OBJECTS`, as a variable or an attribute: ``runner``, ``self.runner``) and as ``self``
+  inside a wrapper (a function nested in a maker that takes vLLM's ``original``);
 * in the loaded vLLM, after the plugin registered: every module and class attribute that holds the
-  plugin's code is a row of the table, and every row that applies here is in place.
+  plugin's code is a row of the table, and every row that applies here is in place;
+* in ``docs/architecture.md``: its table of the vLLM symbols is the table's own (``patches.docs_table``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ from pathlib import Path
 import pytest
 
 from vllm_hybridspec.engine import patches
+from vllm_hybridspec.engine.patches import install, table
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_hybridspec"
 REGISTRIES = {"wrap_once", "register_oot", "register_model", "register_speculator"}
+# the names the engine's code gives vLLM's objects (parameters, variables, attributes of its own objects)
+VLLM_OBJECTS = {"runner", "model_runner", "scheduler", "dispatcher", "cudagraph_dispatcher", "vllm_config",
+                "scheduler_output", "input_batch", "sampler", "rejection_sampler", "compilation_config",
+                "speculative_config", "model_config", "parallel_config", "cache_config"}
 
 
 def _vllm_names(tree) -> set[str]:
@@ -46,29 +55,34 @@ def _sites_of(attr: str) -> set[str]:
 
 def reaches_outside_the_table(root: Path) -> list[str]:
     """``path:line what`` for every reach into vLLM in the package at ``root`` that is not made by
-    ``engine/patches.py`` or at a row's ``site``."""
+    ``engine/patches/table.py`` or at a row's ``site``."""
     written = {r.attr for r in patches.PATCHES if r.kind in ("per_call", "state")}
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root.parent)
-        if rel.as_posix() == "vllm_hybridspec/engine/patches.py":
+        if rel.parts[:3] == ("vllm_hybridspec", "engine", "patches"):
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         vllm_names = _vllm_names(tree)
         module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         in_engine = rel.parts[:2] == ("vllm_hybridspec", "engine")
-        # the qualified name of the function or class each node sits in
+        # the qualified name of the function or class each node sits in, and the nodes inside a wrapper
         scopes: dict[ast.AST, str] = {}
+        in_wrapper: set[ast.AST] = set()
 
-        def walk(node, scope):
+        def walk(node, scope, wrapper):
             for child in ast.iter_child_nodes(node):
-                inner = scope
+                inner, inner_wrapper = scope, wrapper
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     inner = f"{scope}.{child.name}" if scope else child.name
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    inner_wrapper = wrapper or any(a.arg == "original" for a in child.args.args)
                 scopes[child] = inner
-                walk(child, inner)
+                if wrapper:
+                    in_wrapper.add(child)
+                walk(child, inner, inner_wrapper)
 
-        walk(tree, "")
+        walk(tree, "", False)
         for node in ast.walk(tree):
             line = getattr(node, "lineno", 0)
             if isinstance(node, ast.Call):
@@ -83,6 +97,14 @@ def reaches_outside_the_table(root: Path) -> list[str]:
                 for t in (t for target in targets for t in ast.walk(target)):
                     if isinstance(t, ast.Attribute) and t.attr == attr and _root(t) in vllm_names:
                         found.append(f"{rel}:{line} writes {_root(t)}.{attr} (vLLM)")
+                for t in (t for target in targets for t in ast.walk(target)):
+                    if not (isinstance(t, ast.Attribute) and t.attr == attr) or attr in written:
+                        continue
+                    holder = t.value
+                    named = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", None)
+                    if named in VLLM_OBJECTS or (named == "self" and node in in_wrapper):
+                        found.append(f"{rel}:{line} writes {ast.unparse(t)}, an attribute of a vLLM object no row "
+                                     "lists")
                 if in_engine and attr in written:
                     scope = scopes.get(node, "")
                     sites = _sites_of(attr)
@@ -113,6 +135,13 @@ PLANTED = [
     ("from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention as Q\n"
      "def install(cls):\n    Q.register_oot(cls)\n",
      "calls register_oot"),
+    ("def plan(runner, scheduler_output):\n    runner.hspec_plan = None\n",
+     "writes runner.hspec_plan, an attribute of a vLLM object no row lists"),
+    ("class Holder:\n    def keep(self, w):\n        self.runner.input_batch.hspec_w = w\n",
+     "writes self.runner.input_batch.hspec_w, an attribute of a vLLM object no row lists"),
+    ("def _wrapped(original):\n    def wrapper(self, *args):\n        self.hspec_seen = True\n"
+     "        return original(self, *args)\n    return wrapper\n",
+     "writes self.hspec_seen, an attribute of a vLLM object no row lists"),
 ]
 
 
@@ -176,7 +205,7 @@ def test_rows_are_well_formed():
         assert bool(r.site) == (r.kind in ("per_call", "state")), r.name
         assert bool(r.by) == (r.kind not in ("per_call", "state")), r.name
         assert bool(r.key) == (r.kind == "register"), r.name
-        assert r.owner.split(".")[0].split(":")[0] == "vllm" and r.replaces, r.name
+        assert r.owner.split(".")[0].split(":")[0] == "vllm" and r.why, r.name
     assert len(patches.PATCHES) == 45
 
 
@@ -190,12 +219,12 @@ def test_hooks_run_in_the_tables_order_with_the_arguments_they_name():
         return 7
 
     hooks = (lambda runner, out: calls.append(("a", out)), lambda runner, out: calls.append(("b", out)))
-    after = patches._hooks_after(hooks, ("scheduler_output",))(original)
+    after = install._hooks_after(hooks, ("scheduler_output",))(original)
     assert after("runner", "S", 3) == 7
     assert after("runner", scheduler_output="T") == 7
     assert calls == [("vllm", "S", 3), ("a", "S"), ("b", "S"), ("vllm", "T", None), ("a", "T"), ("b", "T")]
     calls.clear()
-    before = patches._hooks_before((lambda runner: calls.append(("a", runner)),))(lambda self, n: calls.append(n))
+    before = install._hooks_before((lambda runner: calls.append(("a", runner)),))(lambda self, n: calls.append(n))
     before("runner", 5)
     assert calls == [("a", "runner"), 5]
 
@@ -210,10 +239,40 @@ def test_porting_installs_the_rows_that_fit_and_names_the_rest(monkeypatch):
     sample = next(r for r in patches.PATCHES if r.attr == "_sample")
     bent = dataclasses.replace(sample, params=("self", "logits", "metadata"))
     monkeypatch.setattr(GPUModelRunner, "_sample", patches.original_of(GPUModelRunner._sample))
-    monkeypatch.setattr(patches, "PATCHES", (bent, next(r for r in patches.PATCHES if r.attr == "_update_states")))
+    monkeypatch.setattr(table, "PATCHES", (bent, next(r for r in patches.PATCHES if r.attr == "_update_states")))
     left_out = patches.apply_what_fits(("always",))
     assert left_out == [(bent.name, [
         "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample takes ['self', 'logits', 'spec_decode_metadata'], "
         "the plugin expects ['self', 'logits', 'metadata']"])]
     assert not getattr(GPUModelRunner._sample, "__hspec_wrapped__", False)
-    assert patches.is_applied(patches.PATCHES[1])
+    assert patches.is_applied(table.PATCHES[1])
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+BEGIN, END = "<!-- the table of engine/patches/table.py (patches.docs_table) -->", "<!-- end of the table -->"
+
+
+def docs_table_in(text: str) -> str:
+    """The lines between the table's markers in the text of ``docs/architecture.md``."""
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "docs/architecture.md lost the table's markers"
+    return text.split(BEGIN)[1].split(END)[0].strip("\n") + "\n"
+
+
+def test_the_docs_show_the_table():
+    """``docs/architecture.md``'s table of the vLLM symbols is written from the table;
+    ``HSPEC_WRITE_DOCS=1`` rewrites it between its markers."""
+    import os
+
+    text = DOCS.read_text()
+    if os.environ.get("HSPEC_WRITE_DOCS") == "1":
+        before, rest = text.split(BEGIN)
+        DOCS.write_text(f"{before}{BEGIN}\n{patches.docs_table()}{END}{rest.split(END)[1]}")
+    assert docs_table_in(DOCS.read_text()) == patches.docs_table()
+
+
+def test_the_docs_check_catches_an_edited_row():
+    """Negative control: the docs with one row's text changed, or one row left out, fail the check."""
+    text = DOCS.read_text()
+    row = next(line for line in docs_table_in(text).splitlines() if "`GPUModelRunner._sample`" in line)
+    for planted in (text.replace(row, row.replace("its cut", "its end")), text.replace(row + "\n", "")):
+        assert planted != text and docs_table_in(planted) != patches.docs_table()

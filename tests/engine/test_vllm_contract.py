@@ -5,7 +5,7 @@ the plugin patches at registration (``engine/config.py``, ``engine/drafting/``):
 methods, ``VllmConfig._get_v2_model_runner_unsupported_features``, ``algos.register_speculator`` and
 the arguments of ``SpecDecodeBaseProposer.propose``.
 
-Every row of ``engine/patches.py`` is checked against the installed vLLM here, one test per row named
+Every row of ``engine/patches/table.py`` is checked against the installed vLLM here, one test per row named
 after it (``test_patch_row[<feature>: <Owner>.<attribute>]``): the owner and attribute exist, vLLM's
 symbol takes the parameters the plugin's wrapper expects, a state row's attribute is one of vLLM's
 (or, for an attribute the plugin adds, is not), and its site writes it. What each feature relies on
@@ -23,7 +23,7 @@ from vllm_hybridspec.engine.compat import SUPPORTED_VLLM
 @pytest.mark.parametrize("row", patches.PATCHES, ids=str)
 def test_patch_row(row):
     problems = patches.check_row(row)
-    assert not problems, f"engine/patches.py row {row.name!r}: " + "; ".join(problems)
+    assert not problems, f"engine/patches/table.py row {row.name!r}: " + "; ".join(problems)
 
 
 def test_a_changed_signature_fails_its_row_naming_it():

@@ -1,8 +1,9 @@
 """What every feature of the engine glue shares about vLLM 0.26: the supported release, vLLM's own
-speculative methods, and reaching an engine's runner from outside (in-process tools, worker extensions).
+speculative methods, what a config runs (an H-Spec draft, a target with GDN layers), the tensor-parallel
+broadcast, and reaching an engine's runner from outside (in-process tools, worker extensions).
 
 vLLM has no stable internal API. Every reach into it (a wrapper, a replacement, a registration, a write
-of its state) is a row of ``engine/patches.py``, checked against the installed vLLM by
+of its state) is a row of ``engine/patches/table.py``, checked against the installed vLLM by
 ``tests/engine/test_vllm_contract.py``; the functions below only read vLLM's objects.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 SUPPORTED_VLLM = "0.26"
 
 # Set to 1 to run the plugin on a vLLM release other than the supported one (porting work:
-# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches.py that
+# scripts/vllm_release.py, docs/porting.md): plugin.register leaves out the rows of engine/patches/table.py that
 # the release breaks (patches.check_row), each named in a warning, and "hspec" is not refused.
 ANY_VLLM_ENV = "VLLM_HYBRIDSPEC_ANY_VLLM"
 
@@ -109,3 +110,34 @@ def worker_runner(worker):
         raise RuntimeError(f"vLLM changed: {type(worker).__name__}.model_runner not found "
                            f"(written for vLLM {SUPPORTED_VLLM})")
     return runner
+
+
+def is_hspec_speculative_config(speculative_config) -> bool:
+    """Whether vLLM's ``SpeculativeConfig`` runs an H-Spec draft (``"hspec"`` resolved to ``"dflash"``)."""
+    draft = getattr(speculative_config, "draft_model_config", None)
+    return (
+        speculative_config is not None
+        and speculative_config.method == "dflash"
+        and draft is not None
+        and HSPEC_ARCHITECTURE in (getattr(draft.hf_config, "architectures", None) or [])
+    )
+
+
+def has_gdn_layers(target_hf_config) -> bool:
+    """Whether the target has Gated-DeltaNet layers (Qwen3-Next / Qwen3.5 ``layer_types``)."""
+    from vllm_hybridspec.drafter.target import text_config
+
+    return "linear_attention" in (getattr(text_config(target_hf_config), "layer_types", None) or ())
+
+
+def broadcast_from_tp_rank0(tensor):
+    """``vllm.distributed.parallel_state.get_tp_group().broadcast``: every TP rank takes rank 0's
+    selected lengths. They become host-side shapes on each rank (scheduled tokens, attention
+    metadata), and ranks that disagreed would issue collectives of different shapes and hang. A
+    no-op without TP (or outside a distributed run)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._TP is None:
+        return tensor
+    group = parallel_state.get_tp_group()
+    return tensor if group.world_size == 1 else group.broadcast(tensor, src=0)

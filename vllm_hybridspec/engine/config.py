@@ -21,6 +21,8 @@ from vllm_hybridspec.engine.compat import (
     HSPEC_METHOD,
     any_vllm,
     check_vllm_version,
+    has_gdn_layers,
+    is_hspec_speculative_config,
     vllm_speculative_methods,
 )
 from vllm_hybridspec.engine.drafting.checkpoint import check_weight_files, read_config_json
@@ -113,11 +115,6 @@ def routing_problem(options, target_hf_config) -> str | None:
                 f"{getattr(cfg, 'scoring_func', None)!r}, n_group={getattr(cfg, 'n_group', None)!r}), whose choices "
                 'Stage 0 counts; give "routing": false')
     return None
-
-
-def has_gdn_layers(target_hf_config) -> bool:
-    """Whether the target has Gated-DeltaNet layers (Qwen3-Next / Qwen3.5 ``layer_types``)."""
-    return "linear_attention" in (getattr(text_config(target_hf_config), "layer_types", None) or ())
 
 
 def _resolve_method(spec: dict[str, Any], target_model_config, load_format: str) -> dict[str, Any]:
@@ -230,18 +227,8 @@ def speculators_to_vllm(config_dict: dict, pre_trained_config: dict) -> None:
     pre_trained_config["hspec_config"] = original
 
 
-def is_hspec_speculative_config(speculative_config) -> bool:
-    draft = getattr(speculative_config, "draft_model_config", None)
-    return (
-        speculative_config is not None
-        and speculative_config.method == "dflash"
-        and draft is not None
-        and HSPEC_ARCHITECTURE in (getattr(draft.hf_config, "architectures", None) or [])
-    )
-
-
 def resolved_speculative_config(original):
-    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches.py``).
+    """The wrapper of ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (``engine/patches/table.py``).
 
     Why: ``SpeculativeConfig.method`` is a pydantic ``Literal`` that has no "hspec", and
     ``SpeculativeConfig.__post_init__`` rejects unknown methods, so "hspec" has to be translated before
@@ -273,7 +260,7 @@ def hspec_repr(speculative_config) -> str:
 
 
 def speculative_config_repr(original):
-    """The wrapper of ``vllm.config.speculative.SpeculativeConfig.__repr__`` (``engine/patches.py``), which the
+    """The wrapper of ``vllm.config.speculative.SpeculativeConfig.__repr__`` (``engine/patches/table.py``), which the
     engine's start-up line ("Initializing a V1 LLM engine ... speculative_config=...") prints through
     ``VllmConfig.__str__``: an H-Spec configuration runs as vLLM's ``"dflash"`` method (see
     :func:`_resolve_method`) and would otherwise be logged under that name."""

@@ -1,7 +1,7 @@
 """The vLLM general plugin (entry point ``vllm.general_plugins: hspec``), loaded by vLLM in every
 process (``vllm.plugins.load_general_plugins``): after it, ``--speculative-config
 '{"method": "hspec", "model": "<H-Spec checkpoint>"}'`` works, and so does an H-Spec checkpoint served
-as the model. Every reach into vLLM is a row of ``engine/patches.py``; ``register`` installs them.
+as the model. Every reach into vLLM is a row of ``engine/patches/table.py``; ``register`` installs them.
 See ``docs/architecture.md``."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def register() -> None:
     when = ("always", "cpu") if current_platform.is_cpu() else ("always",)
     if porting:
         for name, problems in patches.apply_what_fits(when):
-            logger.warning("vllm-hybridspec: row %r of engine/patches.py left out: %s", name, "; ".join(problems))
+            logger.warning("vllm-hybridspec: row %r of engine/patches/table.py left out: %s", name, "; ".join(problems))
     else:
         patches.apply(when)
 
@@ -66,7 +66,7 @@ def register() -> None:
 
 
 def refusing_hspec(original):
-    """The wrapper of ``EngineArgs.create_speculative_config`` on an unsupported vLLM (``engine/patches.py``,
+    """The wrapper of ``EngineArgs.create_speculative_config`` on an unsupported vLLM (``engine/patches/table.py``,
     ``when="other_vllm"``): "hspec" is refused with the version error, anything else passes."""
     def create_speculative_config(self, target_model_config, target_parallel_config):
         if self.speculative_config is not None and dict(self.speculative_config).get("method") == HSPEC_METHOD:

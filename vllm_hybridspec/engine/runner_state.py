@@ -15,23 +15,22 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vllm_hybridspec.engine.gdn.pending import PendingRounds
-    from vllm_hybridspec.engine.length.capture import RoundCapture
-    from vllm_hybridspec.engine.length.cut import StepCut
-    from vllm_hybridspec.engine.length.selector import LengthSelector
+from typing import Any
 
 
 @dataclass(eq=False)
 class RunnerState:
-    """One model runner's plugin state; a field is ``None`` where its feature is off."""
+    """One model runner's plugin state; a field is ``None`` where its feature is off. The features' types
+    are named, not imported: this module stands below every feature that reaches it
+    (``tests/test_import_graph.py``)."""
 
-    selector: LengthSelector | None = None  # the proposer's length selector (engine/length/selector.py)
-    cut: StepCut | None = None  # the step's device-side cut (engine/length/cut.py), made with the selector
-    capture: RoundCapture | None = None  # calibration capture (engine/length/capture.py)
-    rounds: PendingRounds | None = None  # the one-slot GDN layer's rounds (engine/gdn/pending.py)
+    selector: Any = None  # LengthSelector: the proposer's length selector (engine/length/selector.py)
+    # RoundLayout: the last drafting round's decisions (engine/length/selector.py), set by the proposer when
+    # the round ends and read by the step that verifies it; ended at the next step's sampling
+    round: Any = None
+    cut: Any = None  # StepCut: the step's device-side cut (engine/length/cut.py), made with the selector
+    capture: Any = None  # RoundCapture: calibration capture (engine/length/capture.py)
+    rounds: Any = None  # PendingRounds: the one-slot GDN layer's rounds (engine/gdn/pending.py)
     # served steps per (w or "mixed", requests, graph mode) (engine/length/graphs.py: graph_mode_counts)
     graph_modes: Counter = field(default_factory=Counter)
 

@@ -293,8 +293,7 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
 
     import vllm_hybridspec.tools.compare  # noqa: F401  (in-process engines: its environment defaults)
     from vllm_hybridspec.policy.files import write_text_atomic
-    from vllm_hybridspec.tools.engine_args import PromptOptions
-    from vllm_hybridspec.train.reference.accept import engine_options
+    from vllm_hybridspec.tools.engine_args import PromptOptions, reference_engine_options
 
     target, drafter = models_dir / kind, models_dir / f"{kind}-hspec"
     policy = drafter / POLICY_NAME
@@ -309,7 +308,7 @@ def run_serving_demo(kind: str = "hybrid", num_prompts: int = 8, max_tokens: int
 
         from vllm_hybridspec.engine.compat import length_selector
     on_gpu = torch.cuda.is_available()
-    engine = engine_options(models_dir, kind, max_num_seqs=8)
+    engine = reference_engine_options(models_dir, kind, max_num_seqs=8)
     prompts = PromptOptions(prompts=models_dir / "prompts" / "heldout.jsonl", num_prompts=num_prompts).load(str(target))
     bs1_prompts = min(bs1_prompts, len(prompts))
     k = num_speculative_tokens

@@ -114,6 +114,21 @@ class EngineOptions:
         return {**kwargs, **self.engine_args, **overrides}
 
 
+def reference_engine_options(out_dir: str | Path, kind: str, max_num_seqs: int = 4) -> EngineOptions:
+    """The engine of the reference models ``out_dir/kind`` (``hybridspec demo``, the reference acceptance
+    runs): bf16 with CUDA graphs on a GPU, float32 eager on the CPU; the hybrid's GDN
+    state in float32."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    extra = {"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}
+    if on_gpu and kind == "hybrid":
+        extra["additional_config"] = {"gdn_prefill_backend": "triton"}
+    return EngineOptions(model=str(Path(out_dir) / kind), dtype="bfloat16" if on_gpu else "float32",
+                         max_model_len=512, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3 if on_gpu else None,
+                         enforce_eager=not on_gpu, engine_args=extra)
+
+
 @dataclass
 class PromptOptions:
     """Where a command's prompts come from: a JSONL file, or random token ids."""

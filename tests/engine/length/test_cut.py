@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from vllm_hybridspec.engine.length.cut import NO_CUT, StepCut, cuts_nothing, end_rows_at_cut
+from vllm_hybridspec.engine.length.selector import RoundLayout
 from vllm_hybridspec.kernels.cut import route_tokens_torch
 
 from ...seeds import fresh_seed
@@ -115,7 +116,7 @@ def test_plan_gathers_each_rows_length_by_request_id():
     qsl = torch.zeros(n + 1, dtype=torch.int32)
     qsl[1:] = lens.cumsum(0)
     cut = StepCut(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"), pin=False)
-    cut.plan(w_prev, {r: i for i, r in enumerate(prev_ids)}, req_ids, spec_rows, qsl)
+    cut.plan(RoundLayout(torch.zeros(5, k), w_prev, {r: i for i, r in enumerate(prev_ids)}), req_ids, spec_rows, qsl)
     w = dict(zip(prev_ids, w_prev.tolist()))
     assert cut.w[:n].tolist() == [w["d"], w["a"], NO_CUT, w["e"], NO_CUT]
     assert cut.active and cut.steps_cut == 1

@@ -14,7 +14,7 @@ from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
 from vllm_hybridspec.engine.length import gate as gate_module
 from vllm_hybridspec.engine.length.gate import gate_schedule, is_gate_schedule, sync_scheduler
-from vllm_hybridspec.engine.length.selector import LengthSelector
+from vllm_hybridspec.engine.length.selector import LengthSelector, RoundLayout
 from vllm_hybridspec.policy.policy_file import Policy, _at_or_below
 
 from ...seeds import fresh_seed
@@ -85,13 +85,14 @@ def test_a_step_without_drafts_either_way_skips_the_drafting_round():
     calls = []
     wrapped = gate_module._no_round_when_nothing_is_drafted(lambda self, *a: calls.append(a) or "drafted")
     gated = []
-    selector = SimpleNamespace(gated=lambda drafts: gated.append(drafts) or drafts,
+    selector = SimpleNamespace(gated=lambda drafts: gated.append(drafts) or RoundLayout(drafts, gated=True),
                                no_drafts=LengthSelector.no_drafts.__get__(SimpleNamespace(_no_drafts={})))
     runner = _Obj(input_batch=SimpleNamespace(num_reqs=3), device=torch.device("cpu"))
     state_of(runner).selector = selector
     out = SimpleNamespace(num_spec_tokens_to_schedule=0)
     drafts = wrapped(runner, out, None, None, None, None, None, None, None, None)
     assert drafts.shape == (3, 0) and gated == [drafts] and not calls
+    assert state_of(runner).round.drafts is drafts and not state_of(runner).round.gated_with_drafts
     assert wrapped(runner, out, *[None] * 8) is drafts  # made once per batch size, not per step
     assert wrapped(runner, out, None, None, None, None, None, "spec metadata", None, None) == "drafted"
     assert wrapped(runner, SimpleNamespace(num_spec_tokens_to_schedule=7), *[None] * 8) == "drafted"

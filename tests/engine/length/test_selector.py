@@ -63,10 +63,8 @@ def test_selected_counts_are_the_policy_lengths_capped_by_the_budget(tmp_path, g
     _, w0, _ = Policy.load(path).draft_side(conf, ent, w_rem)
     assert w.dtype == torch.int32 and torch.equal(w.long(), torch.minimum(w0, w_rem))
     assert len(set(w0.tolist())) >= 3  # the confidences spread the lengths
-    assert selector.selected(drafts) is layout and layout.drafts is drafts and not layout.gated
+    assert layout.selected and layout.drafts is drafts and not layout.gated and not layout.gated_with_drafts
     assert layout.rows == {r: i for i, r in enumerate(req_ids)} and layout.expand is None
-    assert selector.selected(drafts.clone()) is None  # another tensor: not ours to cut
-    assert not selector.gated_step(drafts)
     stats = selector.stats()
     assert sum(stats["rows_at_length"].values()) == n and stats["steps"] == 1
     assert stats["rows_at_length"] == {length: int((w == length).sum()) for length in range(1, K + 2)
@@ -96,9 +94,10 @@ def test_fixed_length_and_gate(tmp_path, gen):
                            torch.device("cpu"), max_num_reqs=16)
     assert [gated.speculate(b) for b in (1, 7, 8, 16)] == [True, True, False, False]
     drafts = torch.zeros(8, K, dtype=torch.long)
-    assert gated.gated(drafts) is drafts and gated.gated_step(drafts) and gated.selected(drafts) is None
-    assert not gated.gated_step(drafts.clone())
-    assert gated.stats()["gated_steps"] == 1
+    layout = gated.gated(drafts)
+    assert layout.drafts is drafts and layout.gated_with_drafts and not layout.selected
+    assert not gated.gated(drafts[:, :0]).gated_with_drafts  # a step the scheduler gated: no drafts to trim
+    assert gated.stats()["gated_steps"] == 2
     off = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, gate={1: False}), gate=False), K,
                          torch.device("cpu"), max_num_reqs=16)
     assert off.speculate(1)  # "gate": false ignores the table
@@ -205,21 +204,23 @@ def test_with_routing_tables_the_selector_hands_stage0_each_rows_expansion_table
     ids = [f"r{i}" for i in range(n)]
     selector = LengthSelector(HybridSpecOptions(policy=path), K, torch.device("cpu"), max_num_reqs=64)
     assert selector.routes and not selector.stage0_ready
-    w = selector.select(drafts, conf, ent, w_rem, ids).w
-    assert selector.round.expand is None  # no Stage 0 in this engine: the nominal lengths only
+    layout = selector.select(drafts, conf, ent, w_rem, ids)
+    w = layout.w
+    assert layout.expand is None  # no Stage 0 in this engine: the nominal lengths only
     selector.stage0_ready = True
-    assert torch.equal(selector.select(drafts, conf, ent, w_rem, ids).w, w)
+    layout = selector.select(drafts, conf, ent, w_rem, ids)
+    assert torch.equal(layout.w, w)
     p, w0, u = policy.draft_side(conf, ent, w_rem)
     table = policy.expansion_table(p, w0, u)
-    assert torch.equal(w.long(), torch.minimum(w0, w_rem)) and torch.equal(selector.round.expand, table)
+    assert torch.equal(w.long(), torch.minimum(w0, w_rem)) and torch.equal(layout.expand, table)
     assert table.shape == (n, 5) and table.any() and not table.all()  # both answers drawn
     # the lookup is the policy's Stage 1 (Algorithm 1 line 11) at every count of new experts
     for new in range(5):
         n_new = torch.full((n,), new, dtype=torch.int64)
         want = policy.correct(p, w0, u, n_new, w_rem)
         assert torch.equal(torch.minimum(w0 + table[:, new].long(), w_rem), want)
-    selector.gated(drafts)
-    assert selector.round.expand is None and selector.round.gated
+    layout = selector.gated(drafts)
+    assert layout.expand is None and layout.gated
     off = LengthSelector(HybridSpecOptions(policy=path, routing=False), K, torch.device("cpu"), max_num_reqs=64)
     assert not off.routes
     batched = LengthSelector(HybridSpecOptions(policy=policy_file(tmp_path, batched=True, routing_topk=4), batched=True),

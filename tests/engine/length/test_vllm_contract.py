@@ -38,36 +38,37 @@ def test_symbols_the_length_trimming_relies_on_keep_their_shape():
     # the runner sets prev_num_draft_len from the (cut) scheduled drafts; the patch restores it after
     source = inspect.getsource(InputBatch.update_req_spec_token_ids)
     assert "request.prev_num_draft_len = num_spec_tokens" in source
-    # the runner hands the drafter's tensor to _draft_token_ids unchanged (the selector matches by identity)
+    # a round lives from the proposer's return to the next step's sampling (RunnerState.round): in
+    # sample_tokens, _update_states_after_model_execute (whose hook ends the round) comes before vLLM sets
+    # the drafts aside and either proposes the next round or zeroes them
     source = inspect.getsource(inspect.unwrap(GPUModelRunner.sample_tokens))
-    assert "self._draft_token_ids = self.propose_draft_token_ids(" in source
+    hook = source.index("self._update_states_after_model_execute(")
+    assert hook < source.index("self._draft_token_ids = None") < source.index(
+        "self._draft_token_ids = self.propose_draft_token_ids(")
+    assert hook < source.index("self._draft_token_ids = torch.zeros(")
+    assert source.count("self._update_states_after_model_execute(") == 1
     assert hasattr(parallel_state, "_TP") and callable(parallel_state.get_tp_group)
 
 
-class _Selector:
-    """A selector whose last drafts were a gated step's."""
-
-    active = True
-
-    def __init__(self, drafts):
-        self.drafts = drafts
-
-    def gated_step(self, drafts):
-        return drafts is self.drafts
-
-
 class _FakeRunner:
-    """What the trimming wrappers read of ``GPUModelRunner``; the selector reaches them through
-    ``RunnerState.selector``, as the proposer sets its own."""
+    """What the trimming wrappers read of ``GPUModelRunner``; an active selector and the round the next
+    step verifies reach them through ``RunnerState``, as the proposer sets them."""
 
-    def __init__(self, selector, drafts, async_scheduling):
+    def __init__(self, round, async_scheduling):
         from types import SimpleNamespace
 
         from vllm_hybridspec.engine.runner_state import state_of
 
-        self._draft_token_ids, self.use_async_scheduling, self.requests = drafts, async_scheduling, {}
+        self.use_async_scheduling, self.requests = async_scheduling, {}
         self.input_batch = SimpleNamespace(req_id_to_index={})
-        state_of(self).selector = selector
+        state_of(self).selector = SimpleNamespace(active=True)
+        state_of(self).round = round
+
+
+def _gated(drafts):
+    from vllm_hybridspec.engine.length.selector import RoundLayout
+
+    return RoundLayout(drafts, gated=True)
 
 
 _fake_runner = _FakeRunner
@@ -81,14 +82,17 @@ def test_sync_trimming_empties_a_gated_steps_draft_lists():
     drafts = torch.randint(0, 100, (n, k), generator=gen)
     req_ids = [f"r{i}" for i in range(n)]
     wrapped = _trimmed_draft_lists(lambda self: (drafts.tolist(), req_ids))
-    got, ids = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=False))
+    got, ids = wrapped(_fake_runner(_gated(drafts), async_scheduling=False))
     assert ids == req_ids and got == [[] for _ in range(n)]
-    # drafts of a step that was not gated (the selected lengths are cut on the device) are left alone
-    other = torch.zeros_like(drafts)
-    got, _ = wrapped(_fake_runner(_Selector(drafts), other, async_scheduling=False))
-    assert got == drafts.tolist()  # the lists vLLM made, untouched
+    # drafts of a step that was not gated (the selected lengths are cut on the device), or of no round the
+    # plugin made (vLLM's zeroed drafts), are left alone
+    from vllm_hybridspec.engine.length.selector import RoundLayout
+
+    for round in (RoundLayout(drafts, torch.ones(n, dtype=torch.int32), {}), None):
+        got, _ = wrapped(_fake_runner(round, async_scheduling=False))
+        assert got == drafts.tolist()  # the lists vLLM made, untouched
     # async scheduling: the lists feed already-scheduled drafts, never cut here
-    got, _ = wrapped(_fake_runner(_Selector(drafts), drafts, async_scheduling=True))
+    got, _ = wrapped(_fake_runner(_gated(drafts), async_scheduling=True))
     assert got == drafts.tolist()
 
 
@@ -99,6 +103,7 @@ def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_d
     from types import SimpleNamespace
 
     from vllm_hybridspec.engine.length.trimming import _trimmed_update_states
+    from vllm_hybridspec.engine.runner_state import state_of
 
     gen = torch.Generator().manual_seed(fresh_seed("vllm_contract_async_trimming_of_a_gated"))
     k, req_ids = 7, ["a", "b", "c", "d"]
@@ -118,7 +123,7 @@ def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_d
             self.requests[r].prev_num_draft_len = len(scheduler_output.scheduled_spec_decode_tokens.get(r, ()))
         return "done"
 
-    runner = _fake_runner(_Selector(drafts), drafts, async_scheduling=True)
+    runner = _fake_runner(_gated(drafts), async_scheduling=True)
     runner.input_batch.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
     runner.requests = {r: SimpleNamespace(prev_num_draft_len=None) for r in req_ids}
     out = scheduler_output()
@@ -126,8 +131,8 @@ def test_async_trimming_of_a_gated_step_cuts_every_draft_and_restores_prev_num_d
     assert seen["spec"] == {}
     assert out.num_scheduled_tokens == {r: 1 for r in req_ids} and out.total_num_scheduled_tokens == 4
     assert {r: s.prev_num_draft_len for r, s in runner.requests.items()} == {r: k for r in req_ids}
-    # a step that drafted: nothing cut on the host
-    runner._draft_token_ids = drafts.clone()
+    # a step that drafted (no gated round): nothing cut on the host
+    state_of(runner).round = None
     out = scheduler_output()
     assert _trimmed_update_states(original)(runner, out) == "done"
     assert seen["spec"] == {r: k for r in req_ids} and out.total_num_scheduled_tokens == 4 * (1 + k)
@@ -235,7 +240,7 @@ def test_symbols_the_scheduler_gate_relies_on_keep_their_shape():
 
 
 def test_tp_broadcast_is_a_no_op_without_tensor_parallelism():
-    from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
+    from vllm_hybridspec.engine.compat import broadcast_from_tp_rank0
 
     t = torch.arange(5, dtype=torch.int32)
     assert broadcast_from_tp_rank0(t) is t

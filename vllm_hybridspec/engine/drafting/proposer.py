@@ -23,13 +23,19 @@ from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_hybridspec.drafter.layers import DraftBlock
-from vllm_hybridspec.engine.config import is_hspec_speculative_config
+from vllm_hybridspec.engine.compat import is_hspec_speculative_config
 from vllm_hybridspec.engine.drafting.graphs import DraftGraphs, batch_buckets, drafter_graphs_enabled
 from vllm_hybridspec.engine.gdn.enable import on_vllm_gdn_path
 from vllm_hybridspec.engine.length.capture import RoundCapture
 from vllm_hybridspec.engine.length.cut import attach_cut
 from vllm_hybridspec.engine.length.gate import sync_scheduler
-from vllm_hybridspec.engine.length.selector import BudgetCache, LengthSelector, draft_signals, remaining_budget
+from vllm_hybridspec.engine.length.selector import (
+    BudgetCache,
+    LengthSelector,
+    RoundLayout,
+    draft_signals,
+    remaining_budget,
+)
 from vllm_hybridspec.engine.options import hybridspec_options
 from vllm_hybridspec.engine.runner_state import state_of
 
@@ -70,13 +76,15 @@ class RunnerDFlashProposer(DFlashProposer):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
         options = hybridspec_options(vllm_config)
+        # where each round's decisions go (RunnerState.round); none for an engine without "hybridspec" options
+        self.runner_state = None if runner is None or options is None else state_of(runner)
         self.length_selector = None
         if options is not None:
             self.length_selector = LengthSelector(
                 options, self.num_speculative_tokens, device, vllm_config.scheduler_config.max_num_seqs,
                 verifies_every_draft=on_vllm_gdn_path(vllm_config))
             if runner is not None:
-                state_of(runner).selector = self.length_selector
+                self.runner_state.selector = self.length_selector
                 cut = attach_cut(runner)
                 if self.length_selector.routes:  # Stage 0 at the first MoE router (engine/length/cut.py)
                     cut.enable_routing(self.length_selector.policy.experts_per_token,
@@ -89,7 +97,7 @@ class RunnerDFlashProposer(DFlashProposer):
         if options is not None and options.capture is not None:
             self.round_capture = RoundCapture(options.capture, self.num_speculative_tokens)
             if runner is not None:
-                state_of(runner).capture = self.round_capture
+                self.runner_state.capture = self.round_capture
                 self.round_capture.bind_routers(runner.compilation_config.static_all_moe_layers, runner.max_num_tokens)
 
     def _records_signals(self) -> bool:
@@ -128,27 +136,35 @@ class RunnerDFlashProposer(DFlashProposer):
             signals = tuple(x.view(-1, k)[:N] for x in self._signals)  # [N, K] top-1 prob, entropy
         if selector is not None and k > 0 and not selector.speculate(N):  # the gate, decided after the round
             self._after_round(drafts, signals, prefix_lens, select=False)
-            return selector.gated(drafts)
-        self._after_round(drafts, signals, prefix_lens)
-        return drafts
+            return self._hold(drafts, selector.gated(drafts))
+        return self._hold(drafts, self._after_round(drafts, signals, prefix_lens))
 
     def _after_round(self, drafts: torch.Tensor, signals: tuple[torch.Tensor, torch.Tensor] | None,
-                     prefix_lens: torch.Tensor, select: bool = True) -> None:
+                     prefix_lens: torch.Tensor, select: bool = True) -> RoundLayout | None:
         """What every drafting round ends with, for vLLM's DFlash drafter and H-Spec alike: the round's
         drafts ``[N, K]`` and their signals (top-1 probability and entropy ``[N, K]``, or ``None`` where
         the round has none) go to the calibration capture and, with ``select``, to the length selector;
-        the requests' remaining budgets are computed once for both."""
+        the requests' remaining budgets are computed once for both. Returns the selector's
+        :class:`RoundLayout`, or ``None`` where it selected nothing (every draft is verified)."""
         capture, selector = self.round_capture, self.length_selector
         if capture is not None and signals is None:
             capture.skipped()
         selects = select and selector is not None and selector.trims and signals is not None
         if signals is None or (capture is None and not selects):
-            return
+            return None
         w_rem = remaining_budget(self.runner, prefix_lens, drafts.shape[1], self._budget)  # [N]
         if capture is not None:
             capture.drafted(self.runner, *signals, w_rem)
-        if selects:
-            selector.select(drafts, *signals, w_rem, self.runner.input_batch.req_ids)
+        if not selects:
+            return None
+        return selector.select(drafts, *signals, w_rem, self.runner.input_batch.req_ids)
+
+    def _hold(self, drafts: torch.Tensor, round: RoundLayout | None) -> torch.Tensor:
+        """The round's decisions to the runner's state (``RunnerState.round``, read by the step that verifies
+        ``drafts``; ``None``: it verifies every draft); returns ``drafts``, for vLLM."""
+        if self.runner_state is not None:
+            self.runner_state.round = round
+        return drafts
 
 
 def spread_drafts(block: DraftBlock, anchors: torch.Tensor, vocab_size: int) -> DraftBlock:
@@ -232,12 +248,13 @@ class HSpecProposer(RunnerDFlashProposer):
             self.last_draft = None
             if self.round_capture is not None:
                 self.round_capture.skipped()
-            return torch.empty(N, 0, dtype=torch.int64, device=self.device)
+            return self._hold(torch.empty(N, 0, dtype=torch.int64, device=self.device), None)
         selector = self.length_selector
         if selector is not None and not selector.speculate(N):
             # the drafter keeps no state of its own, so a skipped round costs nothing later
             self.last_draft = None
-            return selector.gated(torch.zeros(N, num_speculative_tokens, dtype=torch.int64, device=self.device))
+            drafts = torch.zeros(N, num_speculative_tokens, dtype=torch.int64, device=self.device)
+            return self._hold(drafts, selector.gated(drafts))
         # the last accepted token of each request and the length of its cached prefix; in the padded
         # drafter batch the rejected drafts are still counted in query_start_loc and seq_lens
         last = cad.query_start_loc[1 : N + 1] - 1  # [N]
@@ -259,8 +276,7 @@ class HSpecProposer(RunnerDFlashProposer):
         if self.spread_drafts:
             block = spread_drafts(block, next_token_ids[:N], self.vllm_config.model_config.get_vocab_size())
         self.last_draft = block
-        self._after_round(block.tokens, (block.top1_prob, block.entropy), prefix_lens)
-        return block.tokens
+        return self._hold(block.tokens, self._after_round(block.tokens, (block.top1_prob, block.entropy), prefix_lens))
 
     def _draft_block(self, block: DraftBlock, anchors: torch.Tensor, prefix_lens: torch.Tensor) -> DraftBlock:
         """The round's drafts as the length selector, the capture and the runner see them: the drafter's
@@ -291,12 +307,12 @@ class HSpecProposer(RunnerDFlashProposer):
         self.model.draft(last_hidden, anchors, prefix_kv, prefix_lens, K)
 
 
-# --- the wrapper (a row of engine/patches.py) ------------------------------------------------------
+# --- the wrapper (a row of engine/patches/table.py) ------------------------------------------------------
 
 
 def h_spec_on_the_v1_runner(original):
     """The wrapper of ``vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features``
-    (``engine/patches.py``; the row that replaces the runner's name ``DFlashProposer`` by
+    (``engine/patches/table.py``; the row that replaces the runner's name ``DFlashProposer`` by
     :class:`RunnerDFlashProposer` sits beside it).
 
     Why: dense targets default to the V2 model runner on GPUs, whose speculators are chosen by

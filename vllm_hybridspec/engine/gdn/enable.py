@@ -21,6 +21,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 
+from vllm_hybridspec.engine.compat import has_gdn_layers
 from vllm_hybridspec.engine.options import hybridspec_options, vllm_gdn_path_problem
 from vllm_hybridspec.kernels.gdn import MAX_VERIFY_LEN
 
@@ -68,8 +69,6 @@ def on_vllm_gdn_path(vllm_config) -> bool:
     """Whether the target has GDN layers and they run vLLM's own spec-decode path: then the target
     must verify every draft (``LengthSelector.configure`` refuses trimmed lengths at run time as
     :func:`gdn_kernel_enabled` does at start)."""
-    from vllm_hybridspec.engine.config import has_gdn_layers
-
     return has_gdn_layers(vllm_config.model_config.hf_config) and not gdn_kernel_enabled(vllm_config)
 
 
@@ -142,7 +141,7 @@ def one_slot_page_shape(vllm_config, hf_text_config):
 def one_slot_page_size(original):
     """The wrapper of the classmethod ``get_mamba_state_shape_from_config(vllm_config)`` of vLLM 0.26's
     ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``
-    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches.py``): the one-slot
+    (the Qwen3.5 MoE class inherits it from the dense one; rows of ``engine/patches/table.py``): the one-slot
     shapes when the layer will be on, vLLM's otherwise.
 
     Why: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) sizes the attention

@@ -3,15 +3,15 @@ a clean plan before vLLM's dummy runs and graph captures, and the committed coun
 
 vLLM 0.26 symbols wrapped (``vllm/v1/worker/gpu_model_runner.py``, inherited by the CPU runner):
 
-* ``GPUModelRunner._prepare_inputs`` (a hook of the row in ``engine/patches.py``): after it, the
+* ``GPUModelRunner._prepare_inputs`` (a hook of the row in ``engine/patches/table.py``): after it, the
   persistent batch's row order, the draft counts the GDN builder will classify rows by
   (``self.num_decode_draft_tokens``) and the block tables are final, and the model has not run yet.
   The plan (``PendingRounds.plan``) is computed there on the host and copied to the device.
-* ``GPUModelRunner._dummy_run`` (a hook of the row in ``engine/patches.py``): before it, the plan is reset
+* ``GPUModelRunner._dummy_run`` (a hook of the row in ``engine/patches/table.py``): before it, the plan is reset
   to the scratch slab, so a profiling run, a warm-up or a CUDA-graph capture never touches a request's
   pending round, and the layers' float32 conv taps are converted eagerly (a capture records work
   without running it).
-* ``GPUModelRunner._update_states_after_model_execute`` (a hook of the row in ``engine/patches.py``): each
+* ``GPUModelRunner._update_states_after_model_execute`` (a hook of the row in ``engine/patches/table.py``): each
   verified row's ``m`` is written on the device for the next round.
 * ``GPUModelRunner._check_and_update_cudagraph_mode``: before vLLM resolves the engine's graph mode from
   ``compilation_config.cudagraph_mode``, a GPU engine with the one-slot layer and full decode graphs
@@ -142,7 +142,7 @@ def piecewise_spec_steps(vllm_config) -> bool:
 
 
 def _piecewise_before_resolving(original):
-    # composed with engine/length/graphs.py's wrapper of the same method in engine/patches.py: this one
+    # composed with engine/length/graphs.py's wrapper of the same method in engine/patches/table.py: this one
     # acts before vLLM resolves the graph mode, that one after it (keys for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):
         piecewise_spec_steps(self.vllm_config)

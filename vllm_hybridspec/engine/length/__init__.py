@@ -3,4 +3,4 @@
 batch gate in vLLM's scheduler (``gate``) or, where that cannot reach, a gated step's drafts taken
 out of what vLLM schedules (``trimming``), full CUDA graphs for the gated step
 (``graphs``), calibration records from a serving engine (``capture``) and switching a running
-server's selector (``control``). Its reaches into vLLM are rows of ``engine/patches.py``."""
+server's selector (``control``). Its reaches into vLLM are rows of ``engine/patches/table.py``."""

@@ -146,7 +146,7 @@ def new_expert_fields(expert_ids: torch.Tensor) -> dict[str, list[int]]:
 
 
 def capture_after_sampling(runner, output_token_ids: torch.Tensor, scheduler_output) -> None:
-    """The runner hook after ``GPUModelRunner._update_states_after_model_execute`` (``engine/patches.py``)."""
+    """The runner hook after ``GPUModelRunner._update_states_after_model_execute`` (``engine/patches/table.py``)."""
     state = existing_state(runner)
     capture = None if state is None else state.capture
     if capture is not None:

@@ -6,8 +6,8 @@ batch size serves every length; the step then verifies only the first ``w - 1`` 
 ``w`` being the length the selector picked for the row in the round before:
 
 * **Rows** (after ``GPUModelRunner._prepare_inputs``): each spec-decode row's ``w`` is gathered on the
-  device from the selector's lengths of the previous round (``LengthSelector.selected``, rows of the
-  input batch then, matched to this step's rows by request id on the host); every other row keeps all
+  device from the lengths of the round this step verifies (``RunnerState.round``, rows of the input
+  batch then, matched to this step's rows by request id on the host); every other row keeps all
   its tokens. From it, per token of the step: ``keep`` (position in its row ``< w``) and ``source``
   (the token itself, or its row's first token where it is cut), into persistent buffers.
 * **Experts** (``MoERunner._apply_quant_method``): the router logits of a cut token are those of its
@@ -39,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_hybridspec.engine.length.selector import RoundLayout
 from vllm_hybridspec.engine.runner_state import existing_state, state_of, state_of_forward
 from vllm_hybridspec.kernels.cut import (
     bonus_at_cut,
@@ -91,26 +92,25 @@ class StepCut:
             self.expand.zero_()
         self.active = False
 
-    def plan(self, w_prev: torch.Tensor, prev_rows: dict[str, int], req_ids: list[str],
-             spec_rows: np.ndarray, query_start_loc: torch.Tensor, expand_prev: torch.Tensor | None = None) -> None:
-        """``w_prev`` ``[N_prev]`` (device): the selected length of each row of the previous round, whose
-        request ids map to rows by ``prev_rows``; ``req_ids``: this step's rows; ``spec_rows`` ``[N]``
+    def plan(self, round: RoundLayout, req_ids: list[str], spec_rows: np.ndarray,
+             query_start_loc: torch.Tensor) -> None:
+        """``round``: the previous drafting round, with lengths selected (its ``w`` ``[N_prev]`` on the device,
+        its ``rows`` mapping request ids to its rows, its ``expand`` ``[N_prev, topk + 1]`` the routing
+        correction's tables or ``None``: no row grows); ``req_ids``: this step's rows; ``spec_rows`` ``[N]``
         bool: rows that verify drafts this step; ``query_start_loc`` ``[N + 1]`` (device): the step's
-        token offsets; ``expand_prev`` ``[N_prev, topk + 1]``: the previous round's expansion tables
-        (routing correction; ``None``: no row grows). Fills ``w``, ``source`` (and ``expand``) on the
-        device, without a host read."""
+        token offsets. Fills ``w``, ``source`` (and ``expand``) on the device, without a host read."""
         n = len(req_ids)
         prev = self._prev_row.numpy()
-        prev[:n] = [prev_rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
+        prev[:n] = [round.rows.get(r, -1) if s else -1 for r, s in zip(req_ids, spec_rows)]
         self._prev_row_dev[:n].copy_(self._prev_row[:n], non_blocking=True)
         plan = plan_cut if self.w.is_cuda else plan_cut_torch  # one launch on GPUs
-        plan(w_prev, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
+        plan(round.w, self._prev_row_dev[:n], query_start_loc, n, self.w, self.source, NO_CUT)
         if self.expand is not None:
-            if expand_prev is None:
+            if round.expand is None:
                 self.expand[:n].zero_()
             else:
                 rows = self._prev_row_dev[:n]
-                self.expand[:n] = expand_prev.index_select(0, rows.clamp(min=0)) & (rows >= 0)[:, None]
+                self.expand[:n] = round.expand.index_select(0, rows.clamp(min=0)) & (rows >= 0)[:, None]
         self.active = True
         self.steps_cut += 1
 
@@ -191,23 +191,31 @@ def one_token_per_request() -> bool:
 
 
 def plan_step_cut(runner, scheduler_output) -> None:
-    """After ``_prepare_inputs``: this step's cut, or none."""
+    """After ``_prepare_inputs``: this step's cut from the round it verifies (``RunnerState.round``), or
+    none."""
     state = existing_state(runner)
     cut = None if state is None else state.cut
     if cut is None:
         return
-    selector = state.selector
-    layout = None if selector is None else selector.selected(runner._draft_token_ids)
+    round = state.round
     n = runner.input_batch.num_reqs
-    if (layout is None or not scheduler_output.scheduled_spec_decode_tokens
+    if (round is None or not round.selected or not scheduler_output.scheduled_spec_decode_tokens
             or cuts_nothing(runner.input_batch.sampling_metadata)):
         if cut.active:
             cut.reset()
         return
     spec_rows = runner.num_decode_draft_tokens.np[:n] > 0  # decode rows with drafts (others keep every token)
     cut.query_start_loc = runner.query_start_loc.gpu
-    cut.plan(layout.w, layout.rows, list(runner.input_batch.req_ids[:n]), spec_rows,
-             runner.query_start_loc.gpu[: n + 1], layout.expand)
+    cut.plan(round, list(runner.input_batch.req_ids[:n]), spec_rows, runner.query_start_loc.gpu[: n + 1])
+
+
+def end_round_after_sampling(runner, output_token_ids, scheduler_output) -> None:
+    """The after-sampling hook: the round the step verified is done (``RunnerState.round``). vLLM sets its
+    drafts aside right after this point of ``sample_tokens``, then either proposes the next round (the
+    proposer sets ``round`` again) or zeroes the drafts (no round: the next step cuts and trims nothing)."""
+    state = existing_state(runner)
+    if state is not None:
+        state.round = None
 
 
 def sample_with_cut(runner, original, logits, spec_decode_metadata):
@@ -244,7 +252,7 @@ def sample_with_cut(runner, original, logits, spec_decode_metadata):
     return out
 
 
-# --- the wrappers and hooks (rows of engine/patches.py) ---------------------------------------------
+# --- the wrappers and hooks (rows of engine/patches/table.py) ---------------------------------------------
 
 
 def reset_before_dummy_run(runner) -> None:

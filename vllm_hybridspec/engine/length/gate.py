@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import weakref
 
+from vllm_hybridspec.engine.runner_state import existing_state
+
 BIG_BATCH = 1 << 20  # the end of the last range (vLLM caps it at max_num_seqs)
 
 
@@ -90,7 +92,7 @@ def skips_drafting(runner, scheduler_output, spec_decode_metadata) -> bool:
     return scheduler_output.num_spec_tokens_to_schedule == 0 and spec_decode_metadata is None
 
 
-# --- the wrappers (rows of engine/patches.py) ------------------------------------------------------
+# --- the wrappers (rows of engine/patches/table.py) ------------------------------------------------------
 
 
 def _registered_scheduler(original):
@@ -117,13 +119,13 @@ def _full_graphs_for_a_gate(original):
 def _no_round_when_nothing_is_drafted(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs):
-        from vllm_hybridspec.engine.length.trimming import selector_of
-
-        selector = selector_of(self)
+        state = existing_state(self)
+        selector = None if state is None else state.selector
         if selector is not None and skips_drafting(self, scheduler_output, spec_decode_metadata):
             # an empty drafts tensor, as the drafter returns for K = 0; vLLM's bookkeeping keeps the
             # sampled tokens for the next step's inputs (prev_sampled_token_ids) when no round ran
-            return selector.gated(selector.no_drafts(self.input_batch.num_reqs, self.device))
+            state.round = selector.gated(selector.no_drafts(self.input_batch.num_reqs, self.device))
+            return state.round.drafts
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
 

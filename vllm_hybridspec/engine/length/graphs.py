@@ -120,7 +120,7 @@ def _lengths_of(runner) -> dict:
 
 
 def _keys_per_length(original):
-    # composed with engine/gdn/runner.py's wrapper of the same method in engine/patches.py: that one
+    # composed with engine/gdn/runner.py's wrapper of the same method in engine/patches/table.py: that one
     # acts before vLLM resolves the graph mode (a switch to PIECEWISE), this one after it (keys added to
     # the dispatcher vLLM made for the resolved mode)
     def _check_and_update_cudagraph_mode(self, *args, **kwargs):

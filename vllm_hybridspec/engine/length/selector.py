@@ -21,19 +21,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_hybridspec.engine.compat import broadcast_from_tp_rank0
 from vllm_hybridspec.engine.options import HybridSpecOptions
 from vllm_hybridspec.policy.policy_file import Policy
 from vllm_hybridspec.policy.selector import select_shared_length
 
 
-@dataclass(frozen=True, eq=False)  # identity: the fields hold tensors
+@dataclass(frozen=True, eq=False)  # the fields hold tensors
 class RoundLayout:
-    """What a drafting round decided for the step that verifies it, made once by the selector and read by
-    the runner patches: ``drafts`` ``[N, K]`` (the tensor vLLM hands back, the key by identity), ``w``
-    ``[N]`` int32 on the device (tokens each row verifies, the first included; ``None`` when every draft
-    is verified or the step is gated), ``rows`` (request id -> row of ``drafts``), ``expand`` ``[N, topk
-    + 1]`` bool (the routing correction's table, or ``None``) and ``gated`` (the batch gate turned the
-    step off on the host: its drafts are verified nowhere)."""
+    """What a drafting round decided for the step that verifies it, made once by the selector
+    (:meth:`LengthSelector.select`, :meth:`LengthSelector.gated`), held by the runner's state
+    (``RunnerState.round``, set by the proposer) and read by the runner patches: ``drafts`` ``[N, K]`` (the
+    tensor the proposer hands vLLM), ``w`` ``[N]`` int32 on the device (tokens each row verifies, the first
+    included; ``None`` when every draft is verified or the step is gated), ``rows`` (request id -> row of
+    ``drafts``), ``expand`` ``[N, topk + 1]`` bool (the routing correction's table, or ``None``) and
+    ``gated`` (the batch gate turned the step off on the host: its drafts are verified nowhere)."""
 
     drafts: torch.Tensor
     w: torch.Tensor | None = None
@@ -41,9 +43,16 @@ class RoundLayout:
     expand: torch.Tensor | None = None
     gated: bool = False
 
-    def of(self, drafts) -> RoundLayout | None:
-        """This layout when ``drafts`` is its round's tensor (the step that verifies it), else ``None``."""
-        return self if drafts is not None and drafts is self.drafts else None
+    @property
+    def selected(self) -> bool:
+        """Whether the step verifying this round verifies the selected prefix of each row (``cut.py``)."""
+        return self.w is not None
+
+    @property
+    def gated_with_drafts(self) -> bool:
+        """Whether a gated round has drafts to take out of what vLLM schedules (``trimming.py``; a step
+        the scheduler itself gated has none)."""
+        return self.gated and self.drafts.shape[1] > 0
 
 
 class LengthSelector:
@@ -62,7 +71,6 @@ class LengthSelector:
         self.steps = 0
         self.gated_steps = 0
         self.on_configure = None  # called with the selector after configure (gate.sync_scheduler)
-        self.round: RoundLayout | None = None  # the last round's decisions (select, gated)
         self.stage0_ready = False  # the step's cut runs Stage 0 (set with StepCut.enable_routing at engine start)
         self._ones = torch.ones(max_num_reqs, dtype=torch.int64, device=device)  # index_add_ sources
         self._no_drafts: dict[int, torch.Tensor] = {}  # n -> an [n, 0] drafts tensor (no_drafts)
@@ -124,12 +132,11 @@ class LengthSelector:
             return False
         return not self.gates or self.policy.speculate(batch)
 
-    def gated(self, drafts: torch.Tensor) -> torch.Tensor:
+    def gated(self, drafts: torch.Tensor) -> RoundLayout:
         """A step the gate turned off: ``drafts`` [N, K] is verified nowhere."""
         self.steps += 1
         self.gated_steps += 1
-        self.round = RoundLayout(drafts, gated=True)
-        return drafts
+        return RoundLayout(drafts, gated=True)
 
     def no_drafts(self, n: int, device) -> torch.Tensor:
         """An ``[n, 0]`` int64 drafts tensor (a step that drafts nothing), made once per ``n``: it holds
@@ -165,32 +172,11 @@ class LengthSelector:
                 expand = self.policy.expansion_table(p, w0, u)
         w = w.to(torch.int32)  # [N]
         if self.options.tp_broadcast:
-            from vllm_hybridspec.engine.length.trimming import broadcast_from_tp_rank0
-
             w = broadcast_from_tp_rank0(w)
             if expand is not None:  # as bytes: not every collective backend broadcasts bool tensors
                 expand = broadcast_from_tp_rank0(expand.to(torch.uint8)).bool()
         self.length_counts.index_add_(0, w, self._ones[:n])  # length_counts[w] += 1
-        self.round = RoundLayout(drafts, w, {r: i for i, r in enumerate(req_ids[:n])}, expand)
-        return self.round
-
-    # --- read by the runner patches ----------------------------------------------------------------
-
-    def layout_of(self, drafts) -> RoundLayout | None:
-        """The last round's :class:`RoundLayout` when ``drafts`` is its tensor (the step verifying it)."""
-        return None if self.round is None else self.round.of(drafts)
-
-    def selected(self, drafts) -> RoundLayout | None:
-        """The round's layout when ``drafts`` is the tensor this selector last selected lengths for
-        (``cut.py`` gathers them for the step that verifies it)."""
-        layout = self.layout_of(drafts)
-        return layout if layout is not None and layout.w is not None else None
-
-    def gated_step(self, drafts) -> bool:
-        """Whether ``drafts`` is the tensor of a gated step with drafts to take out of what vLLM
-        schedules (``trimming.py``; a step the scheduler itself gated has none)."""
-        layout = self.layout_of(drafts)
-        return layout is not None and layout.gated and drafts.shape[1] > 0
+        return RoundLayout(drafts, w, {r: i for i, r in enumerate(req_ids[:n])}, expand)
 
     def stats(self) -> dict[str, object]:
         """Counters for tests and logs: rows verified at each length ``w``, steps, gated steps."""

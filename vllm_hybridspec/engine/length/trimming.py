@@ -7,7 +7,7 @@ The decision is made on the host from the batch size, so nothing waits for the d
 lengths never pass here: vLLM schedules every draft and the step verifies the selected prefix on the
 device (``cut.py``). Every wrapper passes through unchanged for a runner without a gated step. The
 wrappers, of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the CPU runner inherits them; rows of
-``engine/patches.py``):
+``engine/patches/table.py``):
 
 * ``_get_draft_token_ids_cpu`` (sync scheduling): the draft lists handed to
   ``Scheduler.update_draft_token_ids`` are empty, so the scheduler schedules, allocates KV for and
@@ -35,9 +35,13 @@ def selector_of(runner):
     return None if state is None else state.selector
 
 
-def _length_selector(runner):
-    selector = selector_of(runner)
-    return selector if selector is not None and selector.active else None
+def gated_round(runner) -> bool:
+    """Whether the round the runner's next step verifies (``RunnerState.round``) is a gated one with drafts
+    to take out of what vLLM schedules, under an active selector."""
+    state = existing_state(runner)
+    if state is None or state.selector is None or not state.selector.active or state.round is None:
+        return False
+    return state.round.gated_with_drafts
 
 
 class _Ready:
@@ -60,25 +64,11 @@ def trim_to_no_drafts(scheduler_output, req_id_to_index) -> None:
     update_scheduler_for_invalid_drafts(_Ready(), zeros, scheduler_output, req_id_to_index)
 
 
-def broadcast_from_tp_rank0(tensor):
-    """``vllm.distributed.parallel_state.get_tp_group().broadcast``: every TP rank takes rank 0's
-    selected lengths. They become host-side shapes on each rank (scheduled tokens, attention
-    metadata), and ranks that disagreed would issue collectives of different shapes and hang. A
-    no-op without TP (or outside a distributed run)."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state._TP is None:
-        return tensor
-    group = parallel_state.get_tp_group()
-    return tensor if group.world_size == 1 else group.broadcast(tensor, src=0)
-
-
 def _trimmed_draft_lists(original):
     """Sync scheduling: ``GPUModelRunner._get_draft_token_ids_cpu`` with a gated step's rows empty."""
     def _get_draft_token_ids_cpu(self):
         drafts, req_ids = original(self)
-        selector = _length_selector(self)
-        if selector is None or self.use_async_scheduling or not selector.gated_step(self._draft_token_ids):
+        if self.use_async_scheduling or not gated_round(self):
             return drafts, req_ids
         return [[] for _ in drafts], req_ids
 
@@ -91,8 +81,7 @@ def _copied_scheduler_output(original):
     from dataclasses import replace
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        selector = _length_selector(self)
-        if self.use_async_scheduling and selector is not None and selector.gated_step(self._draft_token_ids):
+        if self.use_async_scheduling and gated_round(self):
             scheduler_output = replace(
                 scheduler_output,
                 num_scheduled_tokens=scheduler_output.num_scheduled_tokens.copy(),
@@ -106,8 +95,7 @@ def _trimmed_update_states(original):
     """Async scheduling: ``GPUModelRunner._update_states`` on the scheduler output of a gated step cut
     to no drafts, with ``prev_num_draft_len`` restored to the scheduler's untrimmed counts afterwards."""
     def _update_states(self, scheduler_output):
-        selector = _length_selector(self)
-        if selector is None or not self.use_async_scheduling or not selector.gated_step(self._draft_token_ids):
+        if not self.use_async_scheduling or not gated_round(self):
             return original(self, scheduler_output)
         untrimmed = {r: len(t) for r, t in scheduler_output.scheduled_spec_decode_tokens.items()}
         trim_to_no_drafts(scheduler_output, self.input_batch.req_id_to_index)

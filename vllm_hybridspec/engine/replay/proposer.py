@@ -63,8 +63,8 @@ class ReplayHSpecProposer(HSpecProposer):
         if replay is None:  # no drafter round: K = 0, or the batch gate turned drafting off
             self.last_verified = self.last_accepted = None
             return drafts
-        layout = None if self.length_selector is None else self.length_selector.selected(drafts)
-        kept = None if layout is None else layout.w - 1  # [N] the drafts the selector left to verify
+        round = None if self.runner_state is None else self.runner_state.round  # this round's (HSpecProposer._hold)
+        kept = None if round is None or not round.selected else round.w - 1  # [N] the drafts the selector left
         self.last_accepted, self.last_verified = self.lookup.count(replay, kept)
         return drafts
 

