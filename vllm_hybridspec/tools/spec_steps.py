@@ -107,19 +107,13 @@ DRAFT_KINDS = ("model", "spread")
 
 
 def device_name() -> str:
-    """The accelerator the engine ran on (``torch.cuda.get_device_name``), or ``cpu: <model name>``."""
-    import platform
-
+    """The accelerator the engine ran on (``torch.cuda.get_device_name``), or as ``bench`` names the machine's
+    (``cpu: <model name>`` without a GPU)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        model = ""
-    return f"cpu: {model or platform.processor() or 'unknown'}"
+    from vllm_hybridspec.bench.cli import accelerator_name
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else accelerator_name()
 
 
 def precision_of(model_config) -> str:
